@@ -1,0 +1,6 @@
+"""``python cli.py fit|test --config configs/...`` (same as the ``lightning-pfl`` command)."""
+
+from lightning_pfl.cli import main
+
+if __name__ == "__main__":
+    main()

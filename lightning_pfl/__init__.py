@@ -1,0 +1,22 @@
+"""lightning-pfl: personalized federated learning on PyTorch Lightning."""
+
+from lightning_pfl.datamodule import FederatedDataModule
+from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, PFedHNPC
+from lightning_pfl.partition import IID, ClassesPerClient, Dirichlet, Pachinko, Partitioner, Shards
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IID",
+    "ClassesPerClient",
+    "Dirichlet",
+    "FedAvg",
+    "FederatedDataModule",
+    "FederatedMethod",
+    "Local",
+    "PFedHN",
+    "PFedHNPC",
+    "Pachinko",
+    "Partitioner",
+    "Shards",
+]

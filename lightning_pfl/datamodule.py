@@ -1,0 +1,336 @@
+"""The federated DataModule: a dataset split into clients, held on the device as tensors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from jsonargparse import lazy_instance
+from lightning import LightningDataModule
+from torch import Tensor
+
+from lightning_pfl.datasets import DatasetArrays, dataset_spec, load_dataset
+from lightning_pfl.engine import ClientBatches
+from lightning_pfl.partition import (
+    ClassesPerClient,
+    IndexLists,
+    PartitionError,
+    Partitioner,
+    count_matrix,
+    split_by_shares,
+)
+
+Split = Literal["train", "val", "test"]
+
+
+@dataclass
+class ClientIndex:
+    """The samples of every client in one split, grouped by client (CSR layout)."""
+
+    flat: Tensor  # [total] indices into the pooled inputs, client 0's first
+    offsets: Tensor  # [n] start of each client's run in ``flat``
+    counts: Tensor  # [n] samples per client
+
+    @classmethod
+    def from_lists(cls, parts: IndexLists, device: torch.device) -> ClientIndex:
+        counts = torch.tensor([len(p) for p in parts], dtype=torch.int64)
+        offsets = torch.cumsum(counts, 0) - counts
+        flat = torch.from_numpy(np.concatenate(parts).astype(np.int64)) if parts else torch.zeros(0)
+        return cls(flat.to(device), offsets.to(device), counts.to(device))
+
+    def lookup(self, clients: Tensor, positions: Tensor) -> Tensor:
+        """Pooled-input index of position ``positions[c, ...]`` of client ``clients[c]``."""
+        counts = self.counts[clients].view(-1, *([1] * (positions.dim() - 1)))
+        safe = torch.minimum(positions, (counts - 1).clamp_min(0))
+        offsets = self.offsets[clients].view_as(counts)
+        return self.flat[offsets + safe]
+
+
+class RoundIndices:
+    """The training "dataloader": yields round indices from the trainer's current round on.
+
+    One item is one federated round; it never ends (``trainer.max_steps`` is the number of
+    rounds) and restarts at the resumed round after a checkpoint is loaded.
+    """
+
+    def __init__(self, datamodule: FederatedDataModule) -> None:
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[int]:
+        trainer = self.datamodule.trainer
+        round_idx = trainer.global_step if trainer is not None else 0
+        while True:
+            yield round_idx
+            round_idx += 1
+
+
+class ClientChunks:
+    """An evaluation "dataloader": chunks of client ids (one Lightning batch each)."""
+
+    def __init__(self, chunks: list[Tensor]) -> None:
+        self.chunks = chunks
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter(self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+
+class FederatedDataModule(LightningDataModule):
+    """A dataset from the registry, split into ``num_clients`` clients.
+
+    Args:
+        dataset: registry name (digits, synthetic, mnist, fashion_mnist, emnist, cifar10,
+            cifar100).
+        num_clients: number of clients n.
+        partition: how training samples are dealt to clients (ignored for datasets with natural
+            clients, e.g. synthetic).
+        eval_split: ``matched``: validation and test sets are split with the same per-class
+            shares as each client's training data (pFedHN, FedTP); ``holdout``: the official
+            train and test sets are pooled, partitioned, and each client's own samples are split
+            into train / val / test by ``val_fraction`` and ``test_fraction``.
+        val_fraction: ``matched``: fraction of the training set held out (stratified) for
+            validation before partitioning (pFedHN on CIFAR: 0.2 = 10,000 images);
+            ``holdout``: fraction of each client's samples. 0 disables validation.
+        test_fraction: ``holdout`` only: fraction of each client's samples used for testing.
+        root: folder holding the dataset files (torchvision layout).
+        download: let torchvision download missing files.
+        seed: seed of the split (the same seed gives the same clients for every method).
+        dataset_options: extra loader options (synthetic: alpha, beta, dimension).
+        eval_clients_per_batch: clients evaluated together in one validation/test step.
+    """
+
+    def __init__(
+        self,
+        dataset: str = "digits",
+        num_clients: int = 10,
+        partition: Partitioner = lazy_instance(ClassesPerClient, classes=2),
+        eval_split: Literal["matched", "holdout"] = "matched",
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.25,
+        root: str = "data",
+        download: bool = False,
+        seed: int = 0,
+        dataset_options: dict[str, Any] | None = None,
+        eval_clients_per_batch: int = 64,
+    ) -> None:
+        super().__init__()
+        self.spec = dataset_spec(dataset)
+        if num_clients < 1:
+            raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+        if not 0 <= val_fraction < 1 or not 0 < test_fraction < 1:
+            raise ValueError("need 0 <= val_fraction < 1 and 0 < test_fraction < 1")
+        if self.spec.natural_clients and eval_split != "holdout":
+            raise ValueError(f"'{dataset}' has natural clients and no test set; use eval_split: holdout")
+        self.dataset = dataset
+        self._num_clients = num_clients
+        self.partition = partition
+        self.eval_split = eval_split
+        self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
+        self.root = root
+        self.download = download
+        self.seed = seed
+        self.dataset_options = dataset_options or {}
+        self.eval_clients_per_batch = eval_clients_per_batch
+        self.index: dict[str, ClientIndex] = {}
+        self._parts: dict[str, IndexLists] = {}
+        self.counts: dict[str, np.ndarray] = {}
+        self.inputs = torch.zeros(0)
+        self.labels = torch.zeros(0, dtype=torch.int64)
+        self.mean = torch.zeros(0)
+        self.std = torch.ones(0)
+
+    @property
+    def num_clients(self) -> int:
+        return self._num_clients
+
+    @property
+    def num_classes(self) -> int:
+        return self.spec.num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.spec.input_shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.inputs.device
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.index:
+            return
+        arrays = load_dataset(
+            self.dataset, self.root, self.download, num_clients=self.num_clients, seed=self.seed,
+            **self.dataset_options,
+        )
+        rng = np.random.default_rng(self.seed)
+        parts = self._split(arrays, rng)
+        inputs = torch.cat([arrays.train_x, arrays.test_x])
+        self.labels = torch.cat([arrays.train_y, arrays.test_y])
+        self.counts = {s: count_matrix(self.labels.numpy(), p, self.num_classes) for s, p in parts.items()}
+        self._validate(parts)
+        self.mean, self.std = _channel_stats(inputs[np.concatenate(parts["train"])])
+        self.inputs = inputs
+        self._parts = parts
+        self.to(self.trainer.strategy.root_device if self.trainer else torch.device("cpu"))
+
+    def to(self, device: torch.device) -> None:
+        """Move the pooled data and the client index to ``device``."""
+        self.inputs = self.inputs.to(device)
+        self.labels = self.labels.to(device)
+        self.mean, self.std = self.mean.to(device), self.std.to(device)
+        self.index = {s: ClientIndex.from_lists(p, device) for s, p in self._parts.items()}
+
+    def _split(self, arrays: DatasetArrays, rng: np.random.Generator) -> dict[str, IndexLists]:
+        n_train = len(arrays.train_y)
+        if self.eval_split == "holdout":
+            labels = torch.cat([arrays.train_y, arrays.test_y]).numpy()
+            if arrays.train_clients is not None:
+                owners = arrays.train_clients.numpy()
+                pooled = [np.flatnonzero(owners == i) for i in range(self.num_clients)]
+            else:
+                coarse = _cat_optional(arrays.train_coarse, arrays.test_coarse)
+                pooled = self.partition.split(labels, self.num_clients, self.num_classes, rng, coarse)
+            return self._holdout(pooled, rng)
+        labels = arrays.train_y.numpy()
+        order = rng.permutation(n_train)
+        n_val = int(round(self.val_fraction * n_train))
+        val_pool = np.sort(order[:n_val])
+        train_pool = np.sort(order[n_val:])
+        coarse = arrays.train_coarse.numpy()[train_pool] if arrays.train_coarse is not None else None
+        local = self.partition.split(labels[train_pool], self.num_clients, self.num_classes, rng, coarse)
+        train = [train_pool[p] for p in local]
+        totals = np.bincount(labels[train_pool], minlength=self.num_classes)
+        shares = count_matrix(labels, train, self.num_classes) / np.maximum(totals, 1)
+        test_labels = arrays.test_y.numpy()
+        test = [p + n_train for p in split_by_shares(test_labels, shares, rng)]
+        val = [val_pool[p] for p in split_by_shares(labels[val_pool], shares, rng)]
+        return {"train": train, "val": val, "test": test}
+
+    def _holdout(self, pooled: IndexLists, rng: np.random.Generator) -> dict[str, IndexLists]:
+        out: dict[str, IndexLists] = {"train": [], "val": [], "test": []}
+        for part in pooled:
+            shuffled = rng.permutation(part)
+            n_test = int(round(self.test_fraction * len(part)))
+            n_val = int(round(self.val_fraction * len(part)))
+            out["test"].append(np.sort(shuffled[:n_test]))
+            out["val"].append(np.sort(shuffled[n_test : n_test + n_val]))
+            out["train"].append(np.sort(shuffled[n_test + n_val :]))
+        return out
+
+    def _validate(self, parts: dict[str, IndexLists]) -> None:
+        required: list[str] = ["train", "test"] + (["val"] if self.val_fraction > 0 else [])
+        for split in required:
+            empty = [i for i, p in enumerate(parts[split]) if len(p) == 0]
+            if empty:
+                raise PartitionError(
+                    f"{len(empty)} client(s) (e.g. {empty[:5]}) have no {split} samples under this "
+                    f"split of '{self.dataset}'. Use fewer clients, a larger Dirichlet alpha or "
+                    f"min_samples, a larger {'test' if split == 'test' else 'val'}_fraction, or "
+                    "eval_split: holdout."
+                )
+
+    def partition_counts(self) -> dict[str, np.ndarray]:
+        """Client x class sample counts of each split (train, val, test)."""
+        return self.counts
+
+    def num_samples(self, split: Split = "train") -> Tensor:
+        """Samples per client in ``split`` (on the data device)."""
+        return self.index[split].counts
+
+    def fetch(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        """Inputs (normalized float) and labels of pooled sample indices of any shape."""
+        x = self.inputs[index]
+        if x.dtype == torch.uint8:
+            shape = (-1,) + (1,) * (len(self.input_shape) - 1)
+            x = (x.float().div_(255.0) - self.mean.view(shape)) / self.std.view(shape)
+        return x, self.labels[index]
+
+    def client_batches(
+        self,
+        clients: Tensor,
+        batch_size: int,
+        generator: torch.Generator,
+        steps: int | None = None,
+        epochs: int | None = None,
+        split: Split = "train",
+    ) -> ClientBatches:
+        """Draw the local-training batches of ``clients`` by index, on the data device.
+
+        ``steps=K``: K batches, each ``min(batch_size, n_i)`` distinct random samples (pFedHN's
+        "fresh random batch per inner step"). ``epochs=E``: E shuffled passes over each
+        client's data in batches of ``batch_size`` (the last one smaller), so client i takes
+        ``E * ceil(n_i / batch_size)`` steps; clients that finish early idle.
+        """
+        if (steps is None) == (epochs is None):
+            raise ValueError("give exactly one of steps or epochs")
+        idx = self.index[split]
+        counts = idx.counts[clients]
+        n_max = int(counts.max())
+        batch = min(batch_size, n_max)
+        positions = torch.arange(n_max, device=self.device)
+        invalid = positions >= counts.view(-1, 1)  # [C, n_max]
+        reps = steps if steps is not None else epochs
+        assert reps is not None
+        keys = torch.rand(len(clients), reps, n_max, generator=generator, device=self.device)
+        keys = keys.masked_fill(invalid.unsqueeze(1), 2.0)
+        if steps is not None:
+            chosen = keys.topk(batch, dim=-1, largest=False, sorted=False).indices  # [C, S, B]
+        else:
+            perm = keys.argsort(dim=-1)
+            per_epoch = math.ceil(n_max / batch)
+            pad = per_epoch * batch - n_max
+            perm = torch.cat([perm, perm.new_full((*perm.shape[:2], pad), n_max)], -1)
+            chosen = perm.view(len(clients), reps * per_epoch, batch)
+        weight = (chosen < counts.view(-1, 1, 1)).float()
+        return ClientBatches(idx.lookup(clients, chosen), weight, weight.amax(-1) > 0)
+
+    def eval_blocks(
+        self, clients: Tensor, split: Split, block: int
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """Yield ``(index [C, b], weight [C, b])`` blocks covering every sample of ``clients``."""
+        idx = self.index[split]
+        counts = idx.counts[clients]
+        n_max = int(counts.max()) if len(clients) else 0
+        for start in range(0, n_max, block):
+            positions = torch.arange(start, min(start + block, n_max), device=self.device)
+            positions = positions.expand(len(clients), -1)
+            yield idx.lookup(clients, positions), (positions < counts.view(-1, 1)).float()
+
+    def client_chunks(self) -> list[Tensor]:
+        """This rank's share of all clients, in chunks of ``eval_clients_per_batch``."""
+        rank, world = 0, 1
+        if self.trainer is not None:
+            rank, world = self.trainer.global_rank, self.trainer.world_size
+        mine = torch.arange(self.num_clients)[rank::world]
+        return list(mine.split(self.eval_clients_per_batch))
+
+    def train_dataloader(self) -> RoundIndices:
+        return RoundIndices(self)
+
+    def val_dataloader(self) -> ClientChunks:
+        return ClientChunks(self.client_chunks() if self.val_fraction > 0 else [])
+
+    def test_dataloader(self) -> ClientChunks:
+        return ClientChunks(self.client_chunks())
+
+
+def _cat_optional(a: Tensor | None, b: Tensor | None) -> np.ndarray | None:
+    if a is None or b is None:
+        return None
+    return torch.cat([a, b]).numpy()
+
+
+def _channel_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and std of uint8 images in [0, 1] units (empty for float features)."""
+    if x.dtype != torch.uint8:
+        return torch.zeros(0), torch.ones(0)
+    dims = [0] + list(range(2, x.dim()))
+    xf = x.float() / 255.0
+    return xf.mean(dims), xf.std(dims).clamp_min(1e-6)

@@ -1,0 +1,242 @@
+"""Functional client training: architectures as parameter dicts, SGD as tensor ops.
+
+All of a round's clients share one architecture, so their parameters are stacked along a
+leading client dimension and trained together with ``torch.func`` (``functional_call`` inside
+``grad`` inside ``vmap``). The sequential path runs the very same per-client step in a Python
+loop; it is the reference the vectorized path is tested against and the fallback for methods
+whose client step cannot be vmapped.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, vmap
+
+Params = dict[str, Tensor]
+LossFn = Callable[[Params, Params, Tensor, Tensor, Tensor], Tensor]
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys (seed, round, stream): same keys, same seed."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class Architecture:
+    """A network's structure without its weights: call it with any parameter dict.
+
+    The template module lives on the ``meta`` device, so it holds no memory; parameters are
+    passed in (one client's, or stacked for many clients through :meth:`stacked`).
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        if any(True for _ in net.buffers()):
+            raise ValueError("client networks must not have buffers (e.g. batch-norm statistics)")
+        self.shapes = {name: tuple(p.shape) for name, p in net.named_parameters()}
+        last_linear = [name for name, m in net.named_modules() if isinstance(m, nn.Linear)][-1]
+        self.head_names = tuple(n for n in self.shapes if n.rsplit(".", 1)[0] == last_linear)
+        self._initial = {name: p.detach().clone() for name, p in net.named_parameters()}
+        self._template = copy.deepcopy(net).to("meta")
+
+    def __call__(self, params: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        return functional_call(self._template, dict(params), (x,))
+
+    def initial_params(self) -> Params:
+        """The weights of the network this architecture was built from (a copy)."""
+        return {name: p.clone() for name, p in self._initial.items()}
+
+    def numel(self, names: Iterable[str] | None = None) -> int:
+        return sum(int(np.prod(self.shapes[n])) for n in (names or self.shapes))
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    """torch.optim.SGD semantics (dampening 0, no Nesterov) plus optional norm clipping.
+
+    Clipping follows ``torch.nn.utils.clip_grad_norm_`` on the group's gradients and happens
+    before weight decay is added, as when clipping precedes ``optimizer.step()``.
+    """
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """A set of parameter names trained with one SGD configuration."""
+
+    names: tuple[str, ...]
+    sgd: SGDConfig
+
+
+@dataclass
+class ClientBatches:
+    """Local-training batches of a round's clients, as indices into the pooled inputs.
+
+    Attributes:
+        index: ``[C, S, B]`` sample indices (entries with weight 0 are padding).
+        weight: ``[C, S, B]`` 1.0 for real samples, 0.0 for padding.
+        active: ``[C, S]`` whether client c takes an optimizer step at step s. Clients with
+            fewer local steps than the round's longest (epochs over smaller datasets) idle.
+    """
+
+    index: Tensor
+    weight: Tensor
+    active: Tensor
+
+
+@dataclass
+class TrainResult:
+    params: Params
+    momentum: Params
+    loss: Tensor  # [C] mean training loss over each client's active steps
+    steps: Tensor = field(default_factory=lambda: torch.zeros(0))  # [C] optimizer steps taken
+
+
+def cross_entropy_loss(arch: Architecture) -> LossFn:
+    """Weighted mean cross-entropy of ``arch`` on one client's batch (padding has weight 0)."""
+
+    def loss(params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor) -> Tensor:
+        logits = arch({**frozen, **params}, x)
+        per_sample = F.cross_entropy(logits.float(), y, reduction="none")
+        return (per_sample * weight).sum() / weight.sum().clamp_min(1.0)
+
+    return loss
+
+
+def _sgd_step(
+    params: Params, grads: Params, momentum: Params, groups: Sequence[ParamGroup]
+) -> tuple[Params, Params]:
+    new_params, new_momentum = {}, {}
+    for group in groups:
+        cfg = group.sgd
+        scale: Tensor | float = 1.0
+        if cfg.max_grad_norm is not None:
+            norm = torch.sqrt(sum((grads[n].float() ** 2).sum() for n in group.names))  # type: ignore[arg-type]
+            scale = torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0)
+        for n in group.names:
+            d = grads[n] * scale + cfg.weight_decay * params[n]
+            buf = cfg.momentum * momentum[n] + d
+            new_momentum[n] = buf
+            new_params[n] = params[n] - cfg.lr * buf
+    return new_params, new_momentum
+
+
+def train_clients(
+    loss_fn: LossFn,
+    params: Params,
+    groups: Sequence[ParamGroup],
+    batches: ClientBatches,
+    fetch: Callable[[Tensor], tuple[Tensor, Tensor]],
+    frozen: Params | None = None,
+    momentum: Params | None = None,
+    vectorize: bool = True,
+) -> TrainResult:
+    """Run local SGD for every client of the round.
+
+    Args:
+        loss_fn: ``loss(params, frozen, x, y, weight)`` of one client on one batch.
+        params: trainable tensors, stacked ``[C, ...]``; every name must be in one group.
+        groups: SGD configuration per set of names.
+        batches: the clients' batches (see :class:`ClientBatches`).
+        fetch: maps an index tensor to ``(inputs, labels)`` on the device.
+        frozen: per-client tensors the loss reads but does not train, stacked ``[C, ...]``.
+        momentum: initial momentum buffers (zeros = a fresh optimizer), stacked like params.
+        vectorize: train all clients at once with ``vmap`` (else one by one, same math).
+    """
+    frozen = frozen or {}
+    momentum = momentum if momentum is not None else {n: torch.zeros_like(p) for n, p in params.items()}
+    trained = {n for g in groups for n in g.names}
+    if trained != set(params):
+        raise ValueError(f"every trainable tensor needs a group; got {sorted(trained ^ set(params))}")
+
+    def step(p: Params, m: Params, fr: Params, x: Tensor, y: Tensor, w: Tensor, active: Tensor):  # type: ignore[no-untyped-def]
+        grads, loss = grad_and_value(loss_fn)(p, fr, x, y, w)
+        new_p, new_m = _sgd_step(p, grads, m, groups)
+        keep = {n: torch.where(active, new_p[n], p[n]) for n in p}
+        keep_m = {n: torch.where(active, new_m[n], m[n]) for n in m}
+        return keep, keep_m, loss.detach()
+
+    num_clients, num_steps = batches.active.shape
+    batched_step = vmap(step) if vectorize else None
+    loss_sum = torch.zeros(num_clients, device=batches.weight.device)
+    for s in range(num_steps):
+        x, y = fetch(batches.index[:, s])
+        w, active = batches.weight[:, s], batches.active[:, s]
+        if batched_step is not None:
+            params, momentum, loss = batched_step(params, momentum, frozen, x, y, w, active)
+        else:
+            outs = [
+                step(
+                    {n: t[c] for n, t in params.items()},
+                    {n: t[c] for n, t in momentum.items()},
+                    {n: t[c] for n, t in frozen.items()},
+                    x[c], y[c], w[c], active[c],
+                )
+                for c in range(num_clients)
+            ]
+            params = {n: torch.stack([o[0][n] for o in outs]) for n in params}
+            momentum = {n: torch.stack([o[1][n] for o in outs]) for n in momentum}
+            loss = torch.stack([o[2] for o in outs])
+        loss_sum = loss_sum + loss.float() * active
+    steps = batches.active.sum(1)
+    return TrainResult(params, momentum, loss_sum / steps.clamp_min(1), steps)
+
+
+class ClientStateStore:
+    """Per-client state (personal layers, embeddings, kept momentum) for all clients.
+
+    Each *field* is a dict of tensors shaped ``[num_clients, ...]``. Only the round's clients
+    are gathered onto the compute device; with ``offload=True`` the store itself stays in
+    (pinned) CPU memory, so device memory grows with clients per round, not with clients.
+    """
+
+    def __init__(self, num_clients: int) -> None:
+        self.num_clients = num_clients
+        self.fields: dict[str, Params] = {}
+        self.device = torch.device("cpu")
+
+    def add_field(self, name: str, per_client_init: Mapping[str, Tensor]) -> None:
+        """Give every client its own copy of ``per_client_init``."""
+        self.fields[name] = {
+            k: v.detach().unsqueeze(0).repeat(self.num_clients, *([1] * v.dim())).to(self.device)
+            for k, v in per_client_init.items()
+        }
+
+    def gather(self, name: str, clients: Tensor, device: torch.device) -> Params:
+        ids = clients.to(self.device)
+        return {k: v[ids].to(device, non_blocking=True) for k, v in self.fields[name].items()}
+
+    def scatter(self, name: str, clients: Tensor, values: Mapping[str, Tensor]) -> None:
+        ids = clients.to(self.device)
+        for k, v in values.items():
+            self.fields[name][k][ids] = v.detach().to(self.device, self.fields[name][k].dtype)
+
+    def to(self, device: torch.device, offload: bool = False) -> None:
+        """Place the store on ``device``, or in pinned CPU memory when ``offload`` is set."""
+        target = torch.device("cpu") if offload else device
+        pin = offload and device.type == "cuda"
+        for fld in self.fields.values():
+            for k, v in fld.items():
+                moved = v.to(target)
+                fld[k] = moved.pin_memory() if pin and not moved.is_pinned() else moved
+        self.device = target
+
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        return {name: {k: v.cpu() for k, v in fld.items()} for name, fld in self.fields.items()}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        if set(state) != set(self.fields):
+            raise KeyError(f"client state fields {sorted(state)} != expected {sorted(self.fields)}")
+        self.fields = {name: {k: v.to(self.device) for k, v in fld.items()} for name, fld in state.items()}
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for fld in self.fields.values() for v in fld.values())

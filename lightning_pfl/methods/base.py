@@ -1,0 +1,333 @@
+"""The federated round loop shared by every method."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from lightning import LightningModule
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+from torch.func import vmap
+
+from lightning_pfl.datamodule import FederatedDataModule, Split
+from lightning_pfl.engine import (
+    Architecture,
+    ClientStateStore,
+    LossFn,
+    ParamGroup,
+    Params,
+    SGDConfig,
+    TrainResult,
+    cross_entropy_loss,
+    derive_seed,
+    train_clients,
+)
+from lightning_pfl.metrics import ClientAccuracy
+from lightning_pfl.models import build_network
+from lightning_pfl.reporting import report_partition
+
+CLIENT_STREAM, BATCH_STREAM = 1, 2
+
+
+class FederatedMethod(LightningModule, ABC):
+    """Base class: one ``training_step`` is one federated round.
+
+    A round: sample ``clients_per_round`` clients (seeded by round, so the same after resume),
+    call :meth:`run_round` (the method's algorithm box: payloads, local training through
+    :meth:`local_train`, server update by setting ``.grad`` of server parameters), then the
+    base class steps the server optimizer once. ``trainer.max_steps`` is the number of rounds.
+
+    A method implements :meth:`run_round` and :meth:`personalized_params`, and optionally
+    :meth:`configure_server_optimizer` and :meth:`predict`.
+
+    Args:
+        num_clients: number of clients n (linked from the DataModule).
+        num_classes: number of classes (linked from the DataModule).
+        input_shape: shape of one input (linked from the DataModule).
+        net: target network name (``cnn``, ``mlp``, ``digits_cnn``).
+        net_args: extra arguments of the target network (e.g. ``n_kernels`` of ``cnn``).
+        clients_per_round: clients sampled uniformly without replacement per round.
+        local_steps: local SGD steps per round, each on a fresh random batch (pFedHN's K).
+        local_epochs: local epochs per round (E); when set, overrides ``local_steps``.
+        batch_size: local batch size (B).
+        local_lr: client SGD learning rate (eta, pFedHN's inner lr).
+        local_momentum: client SGD momentum.
+        local_weight_decay: client SGD weight decay.
+        local_max_grad_norm: per-client gradient-norm clip of local steps (None: off).
+        vectorize: train the round's clients together with vmap (False: one by one).
+        eval_batch_size: samples per client per evaluation block.
+        select_metric: validation metric that picks the best round.
+        offload_client_state: keep per-client state in pinned CPU memory.
+        seed: seed of initialization, client sampling and batches.
+    """
+
+    def __init__(
+        self,
+        num_clients: int,
+        num_classes: int,
+        input_shape: Sequence[int],
+        net: str = "cnn",
+        net_args: dict[str, Any] | None = None,
+        clients_per_round: int = 1,
+        local_steps: int = 50,
+        local_epochs: int | None = None,
+        batch_size: int = 64,
+        local_lr: float = 5e-3,
+        local_momentum: float = 0.9,
+        local_weight_decay: float = 5e-5,
+        local_max_grad_norm: float | None = 50.0,
+        vectorize: bool = True,
+        eval_batch_size: int = 512,
+        select_metric: Literal["acc", "acc_weighted"] = "acc",
+        offload_client_state: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        if not 1 <= clients_per_round <= num_clients:
+            raise ValueError(f"clients_per_round must be in [1, {num_clients}], got {clients_per_round}")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.arch = Architecture(
+                build_network(net, input_shape, num_classes, **(net_args or {}))
+            )
+        self.store = ClientStateStore(num_clients)
+        self.val_metric = ClientAccuracy(num_clients)
+        self.test_metric = ClientAccuracy(num_clients)
+        self.register_buffer("comm_bytes_total", torch.zeros(2, dtype=torch.float64))
+        self.best: dict[str, Any] = {}
+        self.last_val: dict[str, float] = {}
+        self.train_seconds = 0.0
+        self.rounds_timed = 0
+
+    # ----------------------------------------------------------------- hooks for methods
+    @abstractmethod
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        """Run one round for ``clients``; set ``.grad`` of server parameters; return losses [C]."""
+
+    @abstractmethod
+    def personalized_params(self, clients: Tensor) -> Params:
+        """The personalized model parameters of ``clients``, stacked ``[C, ...]``."""
+
+    def configure_server_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer of the server parameters (None: the method has none)."""
+        return None
+
+    def predict(self, params: Params, x: Tensor) -> Tensor:
+        """Logits of one client's personalized model (vmapped over clients in evaluation)."""
+        return self.arch(params, x)
+
+    # ----------------------------------------------------------------- helpers for methods
+    @property
+    def data(self) -> FederatedDataModule:
+        return self.trainer.datamodule  # type: ignore[attr-defined,no-any-return]
+
+    def local_sgd(self) -> SGDConfig:
+        h = self.hparams
+        return SGDConfig(h.local_lr, h.local_momentum, h.local_weight_decay, h.local_max_grad_norm)
+
+    def local_train(
+        self,
+        params: Params,
+        clients: Tensor,
+        round_idx: int,
+        groups: Sequence[ParamGroup] | None = None,
+        loss_fn: LossFn | None = None,
+        frozen: Params | None = None,
+        momentum: Params | None = None,
+    ) -> TrainResult:
+        """Train ``params`` (stacked over ``clients``) on the clients' own training data."""
+        h = self.hparams
+        generator = torch.Generator(self.data.device).manual_seed(
+            derive_seed(h.seed, round_idx, BATCH_STREAM)
+        )
+        batches = self.data.client_batches(
+            clients, h.batch_size, generator,
+            steps=None if h.local_epochs else h.local_steps, epochs=h.local_epochs,
+        )
+        return train_clients(
+            loss_fn or cross_entropy_loss(self.arch),
+            params,
+            groups or [ParamGroup(tuple(params), self.local_sgd())],
+            batches,
+            self.data.fetch,
+            frozen=frozen,
+            momentum=momentum,
+            vectorize=h.vectorize,
+        )
+
+    def client_weights(self, clients: Tensor) -> Tensor:
+        """Training-sample counts of ``clients`` normalized to sum to one."""
+        n = self.data.num_samples("train")[clients.to(self.data.device)].double()
+        return (n / n.sum()).to(self.device)
+
+    def record_communication(self, down: Mapping[str, Tensor], up: Mapping[str, Tensor]) -> None:
+        """Count the bytes of what the server sent and received this round (all clients)."""
+        self._round_bytes = torch.tensor(
+            [_nbytes(down), _nbytes(up)], dtype=torch.float64, device=self.device
+        )
+
+    # ----------------------------------------------------------------- Lightning plumbing
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer = self.configure_server_optimizer()
+        # A parameterless optimizer lets Lightning count one step per round for every method.
+        return optimizer if optimizer is not None else torch.optim.SGD([{"params": []}], lr=0.0)
+
+    def setup(self, stage: str) -> None:
+        precision = str(self.trainer.precision)
+        if precision.startswith("16"):
+            raise ValueError(
+                f"precision '{precision}' needs gradient scaling, which client training does not "
+                "do; use 'bf16-mixed' or '32-true'."
+            )
+
+    def _place_state(self) -> None:
+        self.store.to(self.device, offload=self.hparams.offload_client_state)
+
+    def on_fit_start(self) -> None:
+        self._place_state()
+        if self.trainer.is_global_zero and self.trainer.log_dir is not None:
+            report_partition(self.data, self.trainer.log_dir, self.logger)
+
+    def on_validation_start(self) -> None:
+        self._place_state()
+
+    def on_test_start(self) -> None:
+        self._place_state()
+
+    def sample_clients(self, round_idx: int) -> Tensor:
+        generator = torch.Generator().manual_seed(derive_seed(self.hparams.seed, round_idx, CLIENT_STREAM))
+        chosen = torch.randperm(self.hparams.num_clients, generator=generator)
+        return chosen[: self.hparams.clients_per_round].sort().values.to(self.device)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        round_idx = self.global_step
+        if int(batch) != round_idx:
+            raise RuntimeError(f"round index {int(batch)} from the dataloader != global step {round_idx}")
+        start = time.perf_counter()
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)
+        optimizer.zero_grad()
+        clients = self.sample_clients(round_idx)
+        self._round_bytes = torch.zeros(2, dtype=torch.float64, device=self.device)
+        losses = self.run_round(round_idx, clients)
+        if not bool(torch.isfinite(losses).all()):
+            bad = clients[~torch.isfinite(losses)].tolist()
+            raise FloatingPointError(
+                f"non-finite local training loss in round {round_idx} for clients {bad[:10]}; "
+                "lower local_lr, set local_max_grad_norm, or check the inputs."
+            )
+        optimizer.step()
+        self.comm_bytes_total += self._round_bytes
+        self.train_seconds += time.perf_counter() - start
+        self.rounds_timed += 1
+        self.log("train/loss", losses.mean(), on_step=True, prog_bar=True)
+        for i, direction in enumerate(("down", "up")):
+            self.log(f"comm/bytes_{direction}", self._round_bytes[i].float(), on_step=True)
+            self.log(f"comm/bytes_{direction}_total", self.comm_bytes_total[i].float(), on_step=True)
+
+    # ----------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
+        """Correct predictions, sample counts and summed loss of each client's own model."""
+        params = self.personalized_params(clients)
+        batched_predict = vmap(self.predict)
+        correct = torch.zeros(len(clients), device=self.device)
+        total = torch.zeros_like(correct)
+        loss_sum = torch.zeros_like(correct)
+        for index, weight in self.data.eval_blocks(clients, split, self.hparams.eval_batch_size):
+            x, y = self.data.fetch(index)
+            logits = batched_predict(params, x).float()
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(weight)
+            correct += ((logits.argmax(-1) == y).float() * weight).sum(1)
+            total += weight.sum(1)
+            loss_sum += (loss * weight).sum(1)
+        return correct, total, loss_sum
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.val_metric.update(batch, *self.evaluate(batch, "val"))
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.test_metric.update(batch, *self.evaluate(batch, "test"))
+
+    def _evaluate_all(self, split: Split) -> dict[str, float]:
+        metric = ClientAccuracy(self.hparams.num_clients).to(self.device)
+        for chunk in self.data.client_chunks():
+            chunk = chunk.to(self.device)
+            metric.update(chunk, *self.evaluate(chunk, split))
+        return {k: float(v) for k, v in metric.compute().items()}
+
+    def _log_summary(self, prefix: str, metric: ClientAccuracy) -> dict[str, float]:
+        stats = {k: float(v) for k, v in metric.compute().items()}
+        for key, value in stats.items():
+            self.log(f"{prefix}/{key}", value, sync_dist=False)
+        if isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero:
+            per_client = metric.per_client()
+            self.logger.experiment.add_histogram(
+                f"{prefix}/client_acc", per_client[~per_client.isnan()], self.global_step
+            )
+        metric.reset()
+        return stats
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            self.val_metric.reset()
+            return
+        stats = self._log_summary("val", self.val_metric)
+        self.last_val = {**stats, "round": self.global_step}
+        key = self.hparams.select_metric
+        if not self.best or stats[key] > self.best["val"][key]:
+            self.best = {"round": self.global_step, "val": stats, "test": self._evaluate_all("test")}
+        self.log("val/best_acc", self.best["val"][key])
+
+    def on_test_epoch_end(self) -> None:
+        stats = self._log_summary("test", self.test_metric)
+        self.test_last = {**stats, "round": self.global_step}
+        if self.best:
+            for key, value in self.best["test"].items():
+                self.log(f"test_best/{key}", value)
+            self.log("test_best/round", float(self.best["round"]))
+
+    # ----------------------------------------------------------------- state and results
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["pfl"] = {
+            "client_state": self.store.state_dict(),
+            "best": self.best,
+            "last_val": self.last_val,
+            "train_seconds": self.train_seconds,
+            "rounds_timed": self.rounds_timed,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["pfl"]
+        self.store.load_state_dict(state["client_state"])
+        self.best = state["best"]
+        self.last_val = state["last_val"]
+        self.train_seconds = state["train_seconds"]
+        self.rounds_timed = state["rounds_timed"]
+
+    def results(self) -> dict[str, Any]:
+        """Summary written to ``results.json``: metrics, rounds, speed, communication."""
+        return {
+            "method": type(self).__name__,
+            "rounds": int(self.global_step),
+            "seconds_per_round": self.train_seconds / max(self.rounds_timed, 1),
+            "val_last": self.last_val,
+            "best_round": self.best.get("round"),
+            "val_at_best": self.best.get("val"),
+            "test_at_best_val": self.best.get("test"),
+            "test_last": getattr(self, "test_last", None),
+            "comm_bytes_down_total": float(self.comm_bytes_total[0]),
+            "comm_bytes_up_total": float(self.comm_bytes_total[1]),
+            "seed": self.hparams.seed,
+        }
+
+
+def _nbytes(tensors: Mapping[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

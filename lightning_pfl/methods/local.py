@@ -1,0 +1,37 @@
+"""Local: every client trains its own model on its own data, no communication."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pfl.engine import Params
+from lightning_pfl.methods.base import FederatedMethod
+
+
+class Local(FederatedMethod):
+    """Local training baseline.
+
+    Each sampled client continues training its own model (all clients start from the same
+    seeded initialization) with its own optimizer, whose momentum persists across rounds.
+    Nothing is sent, so every ``comm/*`` key stays 0.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        initial = self.arch.initial_params()
+        self.store.add_field("params", initial)
+        self.store.add_field("momentum", {n: torch.zeros_like(p) for n, p in initial.items()})
+
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        params = self.store.gather("params", clients, self.device)
+        momentum = self.store.gather("momentum", clients, self.device)
+        result = self.local_train(params, clients, round_idx, momentum=momentum)
+        self.store.scatter("params", clients, result.params)
+        self.store.scatter("momentum", clients, result.momentum)
+        return result.loss
+
+    def personalized_params(self, clients: Tensor) -> Params:
+        return self.store.gather("params", clients, self.device)

@@ -1,0 +1,71 @@
+"""pFedHN-PC: pFedHN with a personal classifier kept by each client."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pfl.engine import ParamGroup, Params, SGDConfig
+from lightning_pfl.methods.pfedhn import PFedHN
+
+
+class PFedHNPC(PFedHN):
+    """pFedHN with personal classifiers (Shamsian et al., section 3.2).
+
+    The hypernetwork generates every tensor but the last linear layer; each client keeps that
+    head locally and trains it jointly with the generated body. The body uses a fresh inner
+    optimizer with gradient clipping each round; the head has its own SGD whose momentum
+    persists across rounds and is not clipped. Only the body's delta goes to the server.
+
+    Args:
+        head_lr: learning rate of the personal head (default ``local_lr``).
+        head_momentum: momentum of the personal head's optimizer.
+        head_weight_decay: weight decay of the head (default ``local_weight_decay``).
+        hn_lr: server learning rate (5e-2 in the paper for pFedHN-PC).
+        **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN`.
+    """
+
+    def __init__(
+        self,
+        head_lr: float | None = None,
+        head_momentum: float = 0.9,
+        head_weight_decay: float | None = None,
+        hn_lr: float = 5e-2,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(hn_lr=hn_lr, **kwargs)
+        head = {n: p for n, p in self.arch.initial_params().items() if n in self.arch.head_names}
+        self.store.add_field("head", head)
+        self.store.add_field("head_momentum", {n: torch.zeros_like(p) for n, p in head.items()})
+
+    def generated_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return {n: s for n, s in self.arch.shapes.items() if n not in self.arch.head_names}
+
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        h = self.hparams
+        generated = self.hnet(clients)
+        body = {n: t.detach() for n, t in generated.items()}
+        head = self.store.gather("head", clients, self.device)
+        head_momentum = self.store.gather("head_momentum", clients, self.device)
+        head_sgd = SGDConfig(
+            h.head_lr or h.local_lr,
+            h.head_momentum,
+            h.local_weight_decay if h.head_weight_decay is None else h.head_weight_decay,
+        )
+        groups = [ParamGroup(tuple(body), self.local_sgd()), ParamGroup(tuple(head), head_sgd)]
+        momentum = {**{n: t.new_zeros(t.shape) for n, t in body.items()}, **head_momentum}
+        result = self.local_train(
+            {**{n: t.clone() for n, t in body.items()}, **head}, clients, round_idx, groups, momentum=momentum
+        )
+        self.store.scatter("head", clients, {n: result.params[n] for n in head})
+        self.store.scatter("head_momentum", clients, {n: result.momentum[n] for n in head})
+        delta = {n: body[n] - result.params[n] for n in body}
+        self.set_hypernetwork_gradients(generated, delta)
+        self.record_communication(down=body, up=delta)
+        return result.loss
+
+    def personalized_params(self, clients: Tensor) -> Params:
+        return {**super().personalized_params(clients), **self.store.gather("head", clients, self.device)}

@@ -1,0 +1,54 @@
+"""Personalized evaluation metrics: each client's model on its own split."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+class ClientAccuracy(Metric):
+    """Accumulates correct / total / summed loss per client and summarizes them.
+
+    States are per-client sums reduced by ``sum`` across processes, so every rank may evaluate
+    a disjoint subset of clients. :meth:`compute` returns:
+
+    - ``acc``: mean over clients of each client's accuracy (the pFedHN paper's formula),
+    - ``acc_weighted``: pooled correct / pooled total (sample-weighted; the pFedHN and FedTP code),
+    - ``acc_std``, ``acc_min``, ``acc_p10``: spread of the per-client accuracies,
+    - ``loss``: mean over clients of each client's mean cross-entropy,
+    - ``loss_weighted``: pooled summed cross-entropy / pooled total.
+
+    Clients with no samples in the split are left out of the per-client statistics.
+    """
+
+    full_state_update = False
+
+    def __init__(self, num_clients: int) -> None:
+        super().__init__()
+        for name in ("correct", "total", "loss_sum"):
+            self.add_state(name, torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, clients: Tensor, correct: Tensor, total: Tensor, loss_sum: Tensor) -> None:  # type: ignore[override]
+        clients = clients.to(self.correct.device)
+        self.correct.index_add_(0, clients, correct.to(self.correct))
+        self.total.index_add_(0, clients, total.to(self.total))
+        self.loss_sum.index_add_(0, clients, loss_sum.to(self.loss_sum))
+
+    def per_client(self) -> Tensor:
+        """Accuracy of every client with samples (NaN for clients without)."""
+        return torch.where(self.total > 0, self.correct / self.total.clamp_min(1), torch.nan)
+
+    def compute(self) -> dict[str, Tensor]:  # type: ignore[override]
+        seen = self.total > 0
+        acc = (self.correct / self.total.clamp_min(1))[seen]
+        loss = (self.loss_sum / self.total.clamp_min(1))[seen]
+        return {
+            "acc": acc.mean(),
+            "acc_weighted": self.correct.sum() / self.total.sum(),
+            "acc_std": acc.std(unbiased=False),
+            "acc_min": acc.min(),
+            "acc_p10": torch.quantile(acc, 0.1),
+            "loss": loss.mean(),
+            "loss_weighted": self.loss_sum.sum() / self.total.sum(),
+        }

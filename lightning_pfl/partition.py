@@ -1,0 +1,279 @@
+"""Seeded client partitioners for non-IID federated benchmarks.
+
+Every partitioner turns the labels of a training pool into one index array per client. The
+result is summarized by a client x class count matrix; a *matched* evaluation split applies
+the same per-class shares (``count[i, c] / total[c]``) to the test or validation labels, which
+is how pFedHN, pFedMe and FedTP build their per-client test sets.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+IndexLists = list[np.ndarray]
+
+
+class PartitionError(ValueError):
+    """Raised for a split that cannot be made; the message says what to change."""
+
+
+def _largest_remainder(total: int, shares: np.ndarray) -> np.ndarray:
+    """Integer counts summing to ``round(total * shares.sum())`` in proportion to ``shares``."""
+    exact = total * shares
+    counts = np.floor(exact).astype(np.int64)
+    target = min(int(round(exact.sum())), total)
+    missing = target - int(counts.sum())
+    if missing > 0:
+        order = np.argsort(-(exact - counts), kind="stable")
+        counts[order[:missing]] += 1
+    return counts
+
+
+def split_by_counts(labels: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> IndexLists:
+    """Give client i ``counts[i, c]`` random samples of class c (disjoint across clients)."""
+    num_clients = counts.shape[0]
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c in range(counts.shape[1]):
+        pool = rng.permutation(np.flatnonzero(labels == c))
+        if counts[:, c].sum() > len(pool):
+            raise PartitionError(f"class {c}: {counts[:, c].sum()} requested, {len(pool)} exist")
+        bounds = np.concatenate([[0], np.cumsum(counts[:, c])])
+        for i in range(num_clients):
+            parts[i].append(pool[bounds[i] : bounds[i + 1]])
+    return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def split_by_shares(labels: np.ndarray, shares: np.ndarray, rng: np.random.Generator) -> IndexLists:
+    """Give client i the fraction ``shares[i, c]`` of class c (largest-remainder rounding)."""
+    num_classes = shares.shape[1]
+    totals = np.bincount(labels, minlength=num_classes)
+    counts = np.stack([_largest_remainder(int(totals[c]), shares[:, c]) for c in range(num_classes)], 1)
+    return split_by_counts(labels, counts, rng)
+
+
+def count_matrix(labels: np.ndarray, parts: IndexLists, num_classes: int) -> np.ndarray:
+    """Client x class sample counts."""
+    return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts])
+
+
+def _draw(rng: np.random.Generator, weights: np.ndarray, available: np.ndarray) -> int:
+    """Draw an index by ``weights`` restricted to ``available`` (uniform if they all underflow)."""
+    p = weights * available
+    if p.sum() <= 0:
+        p = available.astype(np.float64)
+    return int(rng.choice(len(p), p=p / p.sum()))
+
+
+class Partitioner(ABC):
+    """Splits a labelled training pool across clients."""
+
+    @abstractmethod
+    def split(
+        self,
+        labels: np.ndarray,
+        num_clients: int,
+        num_classes: int,
+        rng: np.random.Generator,
+        coarse_labels: np.ndarray | None = None,
+    ) -> IndexLists:
+        """Return one sorted, disjoint index array per client."""
+
+    @staticmethod
+    def _check_clients(num_clients: int, num_samples: int) -> None:
+        if num_clients < 1:
+            raise PartitionError(f"num_clients must be >= 1, got {num_clients}.")
+        if num_samples < num_clients:
+            raise PartitionError(
+                f"{num_samples} samples cannot give each of {num_clients} clients a sample; "
+                "lower num_clients."
+            )
+
+
+class IID(Partitioner):
+    """Stratified IID split: every client gets an equal share of every class."""
+
+    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+        self._check_clients(num_clients, len(labels))
+        shares = np.full((num_clients, num_classes), 1.0 / num_clients)
+        return split_by_shares(labels, shares, rng)
+
+
+class Dirichlet(Partitioner):
+    """Per-class Dirichlet(alpha) shares over clients, with a guaranteed minimum client size.
+
+    Args:
+        alpha: concentration (small = more skewed); must be > 0.
+        min_samples: every client gets at least this many training samples. Satisfied by
+            construction (first ``min_samples`` per client drawn from the client's own Dirichlet
+            class profile, the remainder spread by the per-class shares), so it never resamples
+            and terminates for any number of clients.
+    """
+
+    def __init__(self, alpha: float = 0.5, min_samples: int = 10) -> None:
+        if alpha <= 0:
+            raise PartitionError(f"Dirichlet alpha must be > 0, got {alpha}.")
+        if min_samples < 0:
+            raise PartitionError(f"min_samples must be >= 0, got {min_samples}.")
+        self.alpha = alpha
+        self.min_samples = min_samples
+
+    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+        self._check_clients(num_clients, len(labels))
+        totals = np.bincount(labels, minlength=num_classes)
+        if num_clients * self.min_samples > len(labels):
+            raise PartitionError(
+                f"Dirichlet: {num_clients} clients x min_samples={self.min_samples} = "
+                f"{num_clients * self.min_samples} > {len(labels)} samples; lower min_samples or "
+                "num_clients."
+            )
+        shares = rng.dirichlet(np.full(num_clients, self.alpha), size=num_classes).T  # [n, C]
+        present = totals > 0
+        profile = shares * present
+        profile = profile / np.maximum(profile.sum(1, keepdims=True), 1e-300)
+        reserved = rng.multinomial(self.min_samples, profile)  # [n, C]
+        # Move reservations away from classes that are over-demanded, into classes with room.
+        for c in range(num_classes):
+            excess = int(reserved[:, c].sum() - totals[c])
+            while excess > 0:
+                holders = np.flatnonzero(reserved[:, c])
+                take = rng.choice(holders, size=min(excess, len(holders)), replace=False)
+                room = totals - reserved.sum(0)
+                room[c] = 0
+                room = np.maximum(room, 0)
+                targets = rng.choice(num_classes, size=len(take), p=room / room.sum())
+                np.subtract.at(reserved[:, c], take, 1)
+                np.add.at(reserved, (take, targets), 1)
+                excess = int(reserved[:, c].sum() - totals[c])
+        remaining = totals - reserved.sum(0)
+        extra = np.stack(
+            [_largest_remainder(int(remaining[c]), shares[:, c]) for c in range(num_classes)], 1
+        )
+        return split_by_counts(labels, reserved + extra, rng)
+
+
+class ClassesPerClient(Partitioner):
+    """The pFedMe / pFedHN pathological split: ``classes`` classes per client.
+
+    Classes are dealt greedily from those with the most free slots (``ceil(classes * n / C)``
+    slots per class, ties broken at random); each (client, class) pair draws a ~ U(low, high)
+    and the client receives a / sum_j a_j of that class. A matched evaluation split applies the
+    same classes and proportions to validation and test data.
+
+    Args:
+        classes: classes per client (the paper's c: 2 for CIFAR-10, 10 for CIFAR-100).
+        low: lower bound of the proportion weight a.
+        high: upper bound of the proportion weight a.
+    """
+
+    def __init__(self, classes: int = 2, low: float = 0.4, high: float = 0.6) -> None:
+        if classes < 1:
+            raise PartitionError(f"classes per client must be >= 1, got {classes}.")
+        if not 0 < low <= high:
+            raise PartitionError(f"need 0 < low <= high, got low={low}, high={high}.")
+        self.classes = classes
+        self.low = low
+        self.high = high
+
+    def shares(self, num_clients: int, num_classes: int, rng: np.random.Generator) -> np.ndarray:
+        if self.classes > num_classes:
+            raise PartitionError(
+                f"classes per client = {self.classes} but the dataset has only {num_classes} "
+                "classes; lower `classes`."
+            )
+        slots = np.full(num_classes, -(-self.classes * num_clients // num_classes))
+        weights = np.zeros((num_clients, num_classes))
+        for i in range(num_clients):
+            tie_break = rng.random(num_classes)
+            chosen = np.lexsort((tie_break, -slots))[: self.classes]
+            slots[chosen] -= 1
+            weights[i, chosen] = rng.uniform(self.low, self.high, self.classes)
+        return weights / np.maximum(weights.sum(0, keepdims=True), 1e-300)
+
+    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+        self._check_clients(num_clients, len(labels))
+        return split_by_shares(labels, self.shares(num_clients, num_classes, rng), rng)
+
+
+class Shards(Partitioner):
+    """FedAvg's pathological split: label-sorted shards, ``shards_per_client`` per client.
+
+    Args:
+        shards_per_client: shards each client receives (McMahan et al. use 2).
+    """
+
+    def __init__(self, shards_per_client: int = 2) -> None:
+        if shards_per_client < 1:
+            raise PartitionError(f"shards_per_client must be >= 1, got {shards_per_client}.")
+        self.shards_per_client = shards_per_client
+
+    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+        num_shards = num_clients * self.shards_per_client
+        if num_shards > len(labels):
+            raise PartitionError(
+                f"{num_clients} clients x {self.shards_per_client} shards = {num_shards} shards "
+                f"> {len(labels)} samples; lower shards_per_client or num_clients."
+            )
+        order = np.lexsort((rng.random(len(labels)), labels))
+        shards = np.array_split(order, num_shards)
+        owner = rng.permutation(num_shards)
+        return [
+            np.sort(np.concatenate([shards[s] for s in owner[i :: num_clients]]))
+            for i in range(num_clients)
+        ]
+
+
+class Pachinko(Partitioner):
+    """Pachinko allocation (FedTP, Reddi et al.) for datasets with coarse labels.
+
+    Each client draws coarse weights ~ Dir(alpha) over superclasses and, within each
+    superclass, fine weights ~ Dir(beta); each of its samples is drawn coarse-then-fine without
+    replacement, renormalizing as classes run out. Clients get equal sizes (floor(N / n)).
+
+    Args:
+        alpha: concentration over coarse labels (FedTP: 0.3).
+        beta: concentration over fine labels within a coarse label (FedTP: 10).
+    """
+
+    def __init__(self, alpha: float = 0.3, beta: float = 10.0) -> None:
+        if alpha <= 0 or beta <= 0:
+            raise PartitionError(f"Pachinko needs alpha > 0 and beta > 0, got {alpha}, {beta}.")
+        self.alpha = alpha
+        self.beta = beta
+
+    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+        if coarse_labels is None:
+            raise PartitionError(
+                "Pachinko needs coarse labels; use a dataset that has them (cifar100)."
+            )
+        self._check_clients(num_clients, len(labels))
+        num_coarse = int(coarse_labels.max()) + 1
+        fine_of = [np.unique(labels[coarse_labels == k]) for k in range(num_coarse)]
+        pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in range(num_classes)]
+        left = np.array([len(p) for p in pools])
+        coarse_left = np.array([left[f].sum() for f in fine_of])
+        per_client = len(labels) // num_clients
+        parts = []
+        for _ in range(num_clients):
+            coarse_w = rng.dirichlet(np.full(num_coarse, self.alpha))
+            fine_w = [rng.dirichlet(np.full(len(f), self.beta)) for f in fine_of]
+            taken = []
+            for _ in range(per_client):
+                k = _draw(rng, coarse_w, coarse_left > 0)
+                c = fine_of[k][_draw(rng, fine_w[k], left[fine_of[k]] > 0)]
+                taken.append(pools[c].pop())
+                left[c] -= 1
+                coarse_left[k] -= 1
+            parts.append(np.sort(np.array(taken, dtype=np.int64)))
+        return parts
+
+
+class Natural(Partitioner):
+    """Use the dataset's own client of every sample (Synthetic, LEAF). Set by the dataset."""
+
+    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+        raise PartitionError(
+            "Natural partitions come from the dataset itself; choose a dataset with natural "
+            "clients (e.g. synthetic)."
+        )
