@@ -88,8 +88,8 @@ class PFLCLI(LightningCLI):
             json.dump(results, f, indent=2, default=str)
 
 
-def main(args: list[str] | None = None) -> PFLCLI:
-    """Entry point of ``lightning-pfl`` and ``python cli.py``."""
+def run(args: list[str] | None = None) -> PFLCLI:
+    """Run the CLI with ``args`` (default: ``sys.argv``) and return it (for scripts and tests)."""
     return PFLCLI(
         FederatedMethod,
         FederatedDataModule,
@@ -99,7 +99,13 @@ def main(args: list[str] | None = None) -> PFLCLI:
         save_config_kwargs={"overwrite": True},
         args=args,
         auto_configure_optimizers=False,
+        seed_everything_default=0,
     )
+
+
+def main() -> None:
+    """Entry point of ``lightning-pfl`` and ``python cli.py``."""
+    run()
 
 
 if __name__ == "__main__":

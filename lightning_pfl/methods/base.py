@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -31,7 +32,7 @@ from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
 from lightning_pfl.reporting import report_partition
 
-CLIENT_STREAM, BATCH_STREAM = 1, 2
+INIT_STREAM, CLIENT_STREAM, BATCH_STREAM, SERVER_INIT_STREAM = 0, 1, 2, 3
 
 
 class FederatedMethod(LightningModule, ABC):
@@ -92,8 +93,7 @@ class FederatedMethod(LightningModule, ABC):
         self.automatic_optimization = False
         if not 1 <= clients_per_round <= num_clients:
             raise ValueError(f"clients_per_round must be in [1, {num_clients}], got {clients_per_round}")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with self.seeded_init(INIT_STREAM):
             self.arch = Architecture(
                 build_network(net, input_shape, num_classes, **(net_args or {}))
             )
@@ -101,6 +101,7 @@ class FederatedMethod(LightningModule, ABC):
         self.val_metric = ClientAccuracy(num_clients)
         self.test_metric = ClientAccuracy(num_clients)
         self.register_buffer("comm_bytes_total", torch.zeros(2, dtype=torch.float64))
+        self._data: FederatedDataModule | None = None
         self.best: dict[str, Any] = {}
         self.last_val: dict[str, float] = {}
         self.train_seconds = 0.0
@@ -126,7 +127,21 @@ class FederatedMethod(LightningModule, ABC):
     # ----------------------------------------------------------------- helpers for methods
     @property
     def data(self) -> FederatedDataModule:
+        """The client data: the attached DataModule, else the trainer's."""
+        if self._data is not None:
+            return self._data
         return self.trainer.datamodule  # type: ignore[attr-defined,no-any-return]
+
+    def attach_data(self, data: FederatedDataModule) -> None:
+        """Use ``data`` without a Trainer (to call :meth:`run_round` directly, e.g. to time it)."""
+        self._data = data
+
+    @contextmanager
+    def seeded_init(self, stream: int = SERVER_INIT_STREAM) -> Iterator[None]:
+        """Create modules inside this block to initialize them from the method's seed."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.hparams.seed, stream))
+            yield
 
     def local_sgd(self) -> SGDConfig:
         h = self.hparams

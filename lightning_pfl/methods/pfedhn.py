@@ -54,14 +54,10 @@ class PFedHN(FederatedMethod):
     ) -> None:
         super().__init__(**kwargs)
         n = self.hparams.num_clients
-        self.hnet = HyperNetwork(
-            n,
-            self.generated_shapes(),
-            embed_dim or int(1 + n / 4),
-            hidden_dim,
-            n_hidden,
-            spectral_norm,
-        )
+        with self.seeded_init():
+            self.hnet = HyperNetwork(
+                n, self.generated_shapes(), embed_dim or int(1 + n / 4), hidden_dim, n_hidden, spectral_norm
+            )
 
     def generated_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """Shapes of the tensors the hypernetwork generates (all target tensors)."""

@@ -52,10 +52,13 @@ class HyperNetwork(nn.Module):
         )
 
     def forward(self, clients: Tensor) -> dict[str, Tensor]:
-        """Generate the target tensors of ``clients`` (shape [C]) stacked as [C, *shape]."""
+        """Generate the target tensors of ``clients`` (shape [C]) stacked as [C, *shape].
+
+        Outputs are float32 even under autocast: they are the clients' master weights.
+        """
         features = self.mlp(self.embeddings(clients))
         return {
-            name: head(features).view(len(clients), *shape)
+            name: head(features).float().view(len(clients), *shape)
             for (name, shape), head in zip(self.target_shapes.items(), self.heads, strict=True)
         }
 

@@ -1,0 +1,116 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_pfl.engine import (
+    Architecture,
+    ClientBatches,
+    ClientStateStore,
+    ParamGroup,
+    SGDConfig,
+    cross_entropy_loss,
+    train_clients,
+)
+from lightning_pfl.models import DigitsCNN
+
+
+def make_data(n: int = 200, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def random_batches(clients: int, steps: int, batch: int, n: int, seed: int = 1) -> ClientBatches:
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, n, (clients, steps, batch), generator=g)
+    weight = (torch.rand(clients, steps, batch, generator=g) > 0.2).float()
+    active = torch.rand(clients, steps, generator=g) > 0.25
+    return ClientBatches(index, weight, active)
+
+
+def test_functional_sgd_matches_torch_optim_with_clipping() -> None:
+    x, y = make_data()
+    torch.manual_seed(0)
+    net = DigitsCNN()
+    arch = Architecture(net)
+    batches = random_batches(1, 6, 16, len(y))
+    batches.active[:] = True
+    batches.weight[:] = 1.0
+    cfg = SGDConfig(lr=0.1, momentum=0.9, weight_decay=1e-3, max_grad_norm=0.5)
+    params = {n: p.detach().unsqueeze(0).clone() for n, p in net.named_parameters()}
+    result = train_clients(
+        cross_entropy_loss(arch), params, [ParamGroup(tuple(params), cfg)], batches,
+        lambda i: (x[i], y[i]),
+    )
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    for s in range(6):
+        idx = batches.index[0, s]
+        opt.zero_grad()
+        F.cross_entropy(net(x[idx]), y[idx]).backward()
+        nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        opt.step()
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(result.params[name][0], p.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_vectorized_equals_sequential_with_padding_and_idle_steps() -> None:
+    x, y = make_data()
+    torch.manual_seed(0)
+    arch = Architecture(DigitsCNN())
+    init = arch.initial_params()
+    params = {n: p.unsqueeze(0).repeat(3, *([1] * p.dim())) + 0.01 * torch.randn(3, *p.shape) for n, p in init.items()}
+    batches = random_batches(3, 5, 12, len(y))
+    groups = [ParamGroup(tuple(params), SGDConfig(0.05, 0.9, 1e-4, 1.0))]
+
+    def run(vectorize: bool):  # type: ignore[no-untyped-def]
+        return train_clients(cross_entropy_loss(arch), dict(params), groups, batches, lambda i: (x[i], y[i]), vectorize=vectorize)
+
+    fast, slow = run(True), run(False)
+    for name in params:
+        torch.testing.assert_close(fast.params[name], slow.params[name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fast.momentum[name], slow.momentum[name], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast.loss, slow.loss)
+    assert torch.equal(fast.steps, batches.active.sum(1))
+
+
+def test_inactive_steps_leave_a_client_untouched() -> None:
+    x, y = make_data()
+    arch = Architecture(DigitsCNN())
+    params = {n: p.unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in arch.initial_params().items()}
+    batches = random_batches(2, 3, 8, len(y))
+    batches.active[0] = False
+    batches.active[1] = True
+    result = train_clients(
+        cross_entropy_loss(arch), dict(params), [ParamGroup(tuple(params), SGDConfig(0.1))],
+        batches, lambda i: (x[i], y[i]),
+    )
+    for name in params:
+        assert torch.equal(result.params[name][0], params[name][0])
+        assert not torch.equal(result.params[name][1], params[name][1])
+
+
+def test_every_trainable_tensor_needs_a_group() -> None:
+    arch = Architecture(DigitsCNN())
+    params = {n: p.unsqueeze(0) for n, p in arch.initial_params().items()}
+    with pytest.raises(ValueError, match="group"):
+        train_clients(cross_entropy_loss(arch), params, [ParamGroup(("fc2.weight",), SGDConfig(0.1))], random_batches(1, 1, 2, 10), lambda i: make_data()[0][:2])
+
+
+def test_architecture_head_and_no_buffers() -> None:
+    assert Architecture(DigitsCNN()).head_names == ("fc2.weight", "fc2.bias")
+    with pytest.raises(ValueError, match="buffers"):
+        Architecture(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+
+
+def test_client_state_store_gathers_scatters_and_round_trips() -> None:
+    store = ClientStateStore(5)
+    store.add_field("head", {"w": torch.zeros(2, 3)})
+    ids = torch.tensor([1, 3])
+    store.scatter("head", ids, {"w": torch.ones(2, 2, 3)})
+    assert store.fields["head"]["w"].sum() == 12
+    assert torch.equal(store.gather("head", ids, torch.device("cpu"))["w"], torch.ones(2, 2, 3))
+    other = ClientStateStore(5)
+    other.add_field("head", {"w": torch.zeros(2, 3)})
+    other.load_state_dict(store.state_dict())
+    assert torch.equal(other.fields["head"]["w"], store.fields["head"]["w"])
+    assert store.nbytes() == 5 * 6 * 4
