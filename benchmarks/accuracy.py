@@ -11,7 +11,8 @@ the best validation accuracy (mean over clients and sample-weighted), the same a
 round, and seconds per round.
 
     python benchmarks/accuracy.py --out benchmarks/results/digits.json
-    python benchmarks/accuracy.py --root ../shared/datasets --out benchmarks/results/fashion_mnist.json
+    python benchmarks/accuracy.py --root ../shared/datasets \
+        --out benchmarks/results/fashion_mnist.json
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ from lightning_pfl.cli import run
 REPO = Path(__file__).resolve().parents[1]
 METHODS = {"Local": "local", "FedAvg": "fedavg", "pFedHN": "pfedhn", "pFedHN-PC": "pfedhn_pc"}
 SPLITS = {
-    "pathological": ["--data.init_args.partition=ClassesPerClient", "--data.init_args.partition.init_args.classes=2"],
+    "pathological": [
+        "--data.init_args.partition=ClassesPerClient",
+        "--data.init_args.partition.init_args.classes=2",
+    ],
     "dirichlet": [
         "--data.init_args.partition=Dirichlet",
         "--data.init_args.partition.init_args.alpha=0.3",
@@ -86,28 +90,43 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
     }
 
 
+COLUMNS = (  # header, width, row -> text
+    ("split", 13, lambda r: r["split"]),
+    ("method", 10, lambda r: r["method"]),
+    ("rounds", 6, lambda r: str(r["rounds"])),
+    ("acc@best", 9, lambda r: f"{100 * r['test_acc_at_best_val']:.2f}%"),
+    ("wacc@best", 9, lambda r: f"{100 * r['test_acc_weighted_at_best_val']:.2f}%"),
+    ("acc@last", 9, lambda r: f"{100 * r['test_acc_last']:.2f}%"),
+    ("s/round", 8, lambda r: f"{r['seconds_per_round']:.4f}"),
+)
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'split':<13} {'method':<10} {'rounds':>6} {'acc@best':>9} {'wacc@best':>9} {'acc@last':>9} {'s/round':>8}"
+    header = " ".join(f"{name:>{width}}" for name, width, _ in COLUMNS)
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(
-            f"{r['split']:<13} {r['method']:<10} {r['rounds']:>6} {100 * r['test_acc_at_best_val']:>8.2f}% "
-            f"{100 * r['test_acc_weighted_at_best_val']:>8.2f}% {100 * r['test_acc_last']:>8.2f}% "
-            f"{r['seconds_per_round']:>8.4f}"
-        )
+        print(" ".join(f"{cell(r):>{width}}" for _, width, cell in COLUMNS))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", help="folder with FashionMNIST/raw (runs the FashionMNIST setting)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--root", help="folder with FashionMNIST/raw (runs the FashionMNIST setting)"
+    )
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--rounds-scale", type=float, default=1.0, help="multiply every config's rounds")
+    parser.add_argument(
+        "--rounds-scale", type=float, default=1.0, help="multiply every config's rounds"
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--log-dir", default=str(REPO / "benchmarks" / "runs"))
     args = parser.parse_args()
@@ -130,14 +149,29 @@ def main() -> None:
                     f"--model.init_args.seed={seed}",
                     f"--trainer.max_steps={rounds}",
                 ]
-                result = run_one(config, extra, Path(args.log_dir), f"{config_dir.name}-{split}-{METHODS[method]}-s{seed}")
+                result = run_one(
+                    config,
+                    extra,
+                    Path(args.log_dir),
+                    f"{config_dir.name}-{split}-{METHODS[method]}-s{seed}",
+                )
                 rows.append(summarize(method, split, seed, result))
                 print_table(rows[-1:])
     print()
     print_table(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"benchmark": "accuracy", "setting": config_dir.name, "environment": environment(), "command": sys.argv, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "benchmark": "accuracy",
+                "setting": config_dir.name,
+                "environment": environment(),
+                "command": sys.argv,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
 
 
 def _scaled_rounds(config: Path, scale: float) -> int:

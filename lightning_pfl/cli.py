@@ -38,7 +38,9 @@ class PFLCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         for attribute in ("num_clients", "num_classes", "input_shape"):
-            parser.link_arguments(f"data.{attribute}", f"model.init_args.{attribute}", apply_on="instantiate")
+            parser.link_arguments(
+                f"data.{attribute}", f"model.init_args.{attribute}", apply_on="instantiate"
+            )
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0})
         parser.add_argument("--test_after_fit", type=bool, default=True, help="run test after fit")
@@ -54,7 +56,11 @@ class PFLCLI(LightningCLI):
         if self.subcommand == "fit" and config.get("ckpt_path") == "last":
             run_dir = Path(logger.init_args.save_dir) / logger.init_args.name
             versions = sorted(
-                (p for p in run_dir.glob("version_*") if (p / "checkpoints" / "last.ckpt").exists()),
+                (
+                    p
+                    for p in run_dir.glob("version_*")
+                    if (p / "checkpoints" / "last.ckpt").exists()
+                ),
                 key=lambda p: int(p.name.split("_")[1]),
             )
             if not versions:
@@ -82,7 +88,11 @@ class PFLCLI(LightningCLI):
         assert isinstance(self.model, FederatedMethod)
         parser = self._parser(self.subcommand)
         config = parser.dump(self.config[self.subcommand], format="json", skip_none=False)
-        results = {**self.model.results(), "subcommand": self.subcommand, "config": json.loads(config)}
+        results = {
+            **self.model.results(),
+            "subcommand": self.subcommand,
+            "config": json.loads(config),
+        }
         path = os.path.join(self.trainer.log_dir, "results.json")
         with open(path, "w") as f:
             json.dump(results, f, indent=2, default=str)

@@ -18,8 +18,8 @@ from lightning_pfl.engine import ClientBatches
 from lightning_pfl.partition import (
     ClassesPerClient,
     IndexLists,
-    PartitionError,
     Partitioner,
+    PartitionError,
     count_matrix,
     split_by_shares,
 )
@@ -109,7 +109,7 @@ class FederatedDataModule(LightningDataModule):
         self,
         dataset: str = "digits",
         num_clients: int = 10,
-        partition: Partitioner = lazy_instance(ClassesPerClient, classes=2),
+        partition: Partitioner = lazy_instance(ClassesPerClient, classes=2),  # noqa: B008
         eval_split: Literal["matched", "holdout"] = "matched",
         val_fraction: float = 0.1,
         test_fraction: float = 0.25,
@@ -126,7 +126,9 @@ class FederatedDataModule(LightningDataModule):
         if not 0 <= val_fraction < 1 or not 0 < test_fraction < 1:
             raise ValueError("need 0 <= val_fraction < 1 and 0 < test_fraction < 1")
         if self.spec.natural_clients and eval_split != "holdout":
-            raise ValueError(f"'{dataset}' has natural clients and no test set; use eval_split: holdout")
+            raise ValueError(
+                f"'{dataset}' has natural clients and no test set; use eval_split: holdout"
+            )
         self.dataset = dataset
         self._num_clients = num_clients
         self.partition = partition
@@ -166,14 +168,20 @@ class FederatedDataModule(LightningDataModule):
         if self.index:
             return
         arrays = load_dataset(
-            self.dataset, self.root, self.download, num_clients=self.num_clients, seed=self.seed,
+            self.dataset,
+            self.root,
+            self.download,
+            num_clients=self.num_clients,
+            seed=self.seed,
             **self.dataset_options,
         )
         rng = np.random.default_rng(self.seed)
         parts = self._split(arrays, rng)
         inputs = torch.cat([arrays.train_x, arrays.test_x])
         self.labels = torch.cat([arrays.train_y, arrays.test_y])
-        self.counts = {s: count_matrix(self.labels.numpy(), p, self.num_classes) for s, p in parts.items()}
+        self.counts = {
+            s: count_matrix(self.labels.numpy(), p, self.num_classes) for s, p in parts.items()
+        }
         self._validate(parts)
         self.mean, self.std = _channel_stats(inputs[np.concatenate(parts["train"])])
         self.inputs = inputs
@@ -196,15 +204,21 @@ class FederatedDataModule(LightningDataModule):
                 pooled = [np.flatnonzero(owners == i) for i in range(self.num_clients)]
             else:
                 coarse = _cat_optional(arrays.train_coarse, arrays.test_coarse)
-                pooled = self.partition.split(labels, self.num_clients, self.num_classes, rng, coarse)
+                pooled = self.partition.split(
+                    labels, self.num_clients, self.num_classes, rng, coarse
+                )
             return self._holdout(pooled, rng)
         labels = arrays.train_y.numpy()
         order = rng.permutation(n_train)
         n_val = int(round(self.val_fraction * n_train))
         val_pool = np.sort(order[:n_val])
         train_pool = np.sort(order[n_val:])
-        coarse = arrays.train_coarse.numpy()[train_pool] if arrays.train_coarse is not None else None
-        local = self.partition.split(labels[train_pool], self.num_clients, self.num_classes, rng, coarse)
+        coarse = (
+            arrays.train_coarse.numpy()[train_pool] if arrays.train_coarse is not None else None
+        )
+        local = self.partition.split(
+            labels[train_pool], self.num_clients, self.num_classes, rng, coarse
+        )
         train = [train_pool[p] for p in local]
         totals = np.bincount(labels[train_pool], minlength=self.num_classes)
         shares = count_matrix(labels, train, self.num_classes) / np.maximum(totals, 1)

@@ -153,12 +153,18 @@ def train_clients(
         vectorize: train all clients at once with ``vmap`` (else one by one, same math).
     """
     frozen = frozen or {}
-    momentum = momentum if momentum is not None else {n: torch.zeros_like(p) for n, p in params.items()}
+    momentum = (
+        momentum if momentum is not None else {n: torch.zeros_like(p) for n, p in params.items()}
+    )
     trained = {n for g in groups for n in g.names}
     if trained != set(params):
-        raise ValueError(f"every trainable tensor needs a group; got {sorted(trained ^ set(params))}")
+        raise ValueError(
+            f"every trainable tensor needs a group; got {sorted(trained ^ set(params))}"
+        )
 
-    def step(p: Params, m: Params, fr: Params, x: Tensor, y: Tensor, w: Tensor, active: Tensor):  # type: ignore[no-untyped-def]
+    def step(
+        p: Params, m: Params, fr: Params, x: Tensor, y: Tensor, w: Tensor, active: Tensor
+    ) -> tuple[Params, Params, Tensor]:
         grads, loss = grad_and_value(loss_fn)(p, fr, x, y, w)
         new_p, new_m = _sgd_step(p, grads, m, groups)
         keep = {n: torch.where(active, new_p[n], p[n]) for n in p}
@@ -179,7 +185,10 @@ def train_clients(
                     {n: t[c] for n, t in params.items()},
                     {n: t[c] for n, t in momentum.items()},
                     {n: t[c] for n, t in frozen.items()},
-                    x[c], y[c], w[c], active[c],
+                    x[c],
+                    y[c],
+                    w[c],
+                    active[c],
                 )
                 for c in range(num_clients)
             ]
@@ -236,7 +245,11 @@ class ClientStateStore:
     def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
         if set(state) != set(self.fields):
             raise KeyError(f"client state fields {sorted(state)} != expected {sorted(self.fields)}")
-        self.fields = {name: {k: v.to(self.device) for k, v in fld.items()} for name, fld in state.items()}
+        self.fields = {
+            name: {k: v.to(self.device) for k, v in fld.items()} for name, fld in state.items()
+        }
 
     def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for fld in self.fields.values() for v in fld.values())
+        return sum(
+            v.numel() * v.element_size() for fld in self.fields.values() for v in fld.values()
+        )

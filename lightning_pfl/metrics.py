@@ -23,13 +23,18 @@ class ClientAccuracy(Metric):
     """
 
     full_state_update = False
+    correct: Tensor
+    total: Tensor
+    loss_sum: Tensor
 
     def __init__(self, num_clients: int) -> None:
         super().__init__()
         for name in ("correct", "total", "loss_sum"):
-            self.add_state(name, torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+            self.add_state(
+                name, torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum"
+            )
 
-    def update(self, clients: Tensor, correct: Tensor, total: Tensor, loss_sum: Tensor) -> None:  # type: ignore[override]
+    def update(self, clients: Tensor, correct: Tensor, total: Tensor, loss_sum: Tensor) -> None:
         clients = clients.to(self.correct.device)
         self.correct.index_add_(0, clients, correct.to(self.correct))
         self.total.index_add_(0, clients, total.to(self.total))
@@ -39,7 +44,7 @@ class ClientAccuracy(Metric):
         """Accuracy of every client with samples (NaN for clients without)."""
         return torch.where(self.total > 0, self.correct / self.total.clamp_min(1), torch.nan)
 
-    def compute(self) -> dict[str, Tensor]:  # type: ignore[override]
+    def compute(self) -> dict[str, Tensor]:
         seen = self.total > 0
         acc = (self.correct / self.total.clamp_min(1))[seen]
         loss = (self.loss_sum / self.total.clamp_min(1))[seen]

@@ -49,7 +49,9 @@ def split_by_shares(labels: np.ndarray, shares: np.ndarray, rng: np.random.Gener
     """Give client i the fraction ``shares[i, c]`` of class c (largest-remainder rounding)."""
     num_classes = shares.shape[1]
     totals = np.bincount(labels, minlength=num_classes)
-    counts = np.stack([_largest_remainder(int(totals[c]), shares[:, c]) for c in range(num_classes)], 1)
+    counts = np.stack(
+        [_largest_remainder(int(totals[c]), shares[:, c]) for c in range(num_classes)], 1
+    )
     return split_by_counts(labels, counts, rng)
 
 
@@ -94,7 +96,14 @@ class Partitioner(ABC):
 class IID(Partitioner):
     """Stratified IID split: every client gets an equal share of every class."""
 
-    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+    def split(
+        self,
+        labels: np.ndarray,
+        num_clients: int,
+        num_classes: int,
+        rng: np.random.Generator,
+        coarse_labels: np.ndarray | None = None,
+    ) -> IndexLists:
         self._check_clients(num_clients, len(labels))
         shares = np.full((num_clients, num_classes), 1.0 / num_clients)
         return split_by_shares(labels, shares, rng)
@@ -119,7 +128,14 @@ class Dirichlet(Partitioner):
         self.alpha = alpha
         self.min_samples = min_samples
 
-    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+    def split(
+        self,
+        labels: np.ndarray,
+        num_clients: int,
+        num_classes: int,
+        rng: np.random.Generator,
+        coarse_labels: np.ndarray | None = None,
+    ) -> IndexLists:
         self._check_clients(num_clients, len(labels))
         totals = np.bincount(labels, minlength=num_classes)
         if num_clients * self.min_samples > len(labels):
@@ -191,7 +207,14 @@ class ClassesPerClient(Partitioner):
             weights[i, chosen] = rng.uniform(self.low, self.high, self.classes)
         return weights / np.maximum(weights.sum(0, keepdims=True), 1e-300)
 
-    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+    def split(
+        self,
+        labels: np.ndarray,
+        num_clients: int,
+        num_classes: int,
+        rng: np.random.Generator,
+        coarse_labels: np.ndarray | None = None,
+    ) -> IndexLists:
         self._check_clients(num_clients, len(labels))
         return split_by_shares(labels, self.shares(num_clients, num_classes, rng), rng)
 
@@ -208,7 +231,14 @@ class Shards(Partitioner):
             raise PartitionError(f"shards_per_client must be >= 1, got {shards_per_client}.")
         self.shards_per_client = shards_per_client
 
-    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+    def split(
+        self,
+        labels: np.ndarray,
+        num_clients: int,
+        num_classes: int,
+        rng: np.random.Generator,
+        coarse_labels: np.ndarray | None = None,
+    ) -> IndexLists:
         num_shards = num_clients * self.shards_per_client
         if num_shards > len(labels):
             raise PartitionError(
@@ -219,7 +249,7 @@ class Shards(Partitioner):
         shards = np.array_split(order, num_shards)
         owner = rng.permutation(num_shards)
         return [
-            np.sort(np.concatenate([shards[s] for s in owner[i :: num_clients]]))
+            np.sort(np.concatenate([shards[s] for s in owner[i::num_clients]]))
             for i in range(num_clients)
         ]
 
@@ -242,7 +272,14 @@ class Pachinko(Partitioner):
         self.alpha = alpha
         self.beta = beta
 
-    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+    def split(
+        self,
+        labels: np.ndarray,
+        num_clients: int,
+        num_classes: int,
+        rng: np.random.Generator,
+        coarse_labels: np.ndarray | None = None,
+    ) -> IndexLists:
         if coarse_labels is None:
             raise PartitionError(
                 "Pachinko needs coarse labels; use a dataset that has them (cifar100)."
@@ -272,7 +309,14 @@ class Pachinko(Partitioner):
 class Natural(Partitioner):
     """Use the dataset's own client of every sample (Synthetic, LEAF). Set by the dataset."""
 
-    def split(self, labels, num_clients, num_classes, rng, coarse_labels=None):  # type: ignore[no-untyped-def]
+    def split(
+        self,
+        labels: np.ndarray,
+        num_clients: int,
+        num_classes: int,
+        rng: np.random.Generator,
+        coarse_labels: np.ndarray | None = None,
+    ) -> IndexLists:
         raise PartitionError(
             "Natural partitions come from the dataset itself; choose a dataset with natural "
             "clients (e.g. synthetic)."

@@ -28,7 +28,14 @@ def report_partition(data: FederatedDataModule, log_dir: str, logger: Any) -> No
     for split, matrix in counts.items():
         header = "client," + ",".join(f"class_{c}" for c in range(matrix.shape[1]))
         rows = np.column_stack([np.arange(len(matrix)), matrix])
-        np.savetxt(os.path.join(log_dir, f"partition_{split}.csv"), rows, fmt="%d", delimiter=",", header=header, comments="")
+        np.savetxt(
+            os.path.join(log_dir, f"partition_{split}.csv"),
+            rows,
+            fmt="%d",
+            delimiter=",",
+            header=header,
+            comments="",
+        )
     experiment = getattr(logger, "experiment", None)
     if experiment is not None and hasattr(experiment, "add_figure"):
         for split, matrix in counts.items():

@@ -22,16 +22,33 @@ def digits_data(num_clients: int = 6, **kwargs: Any) -> FederatedDataModule:
 
 
 def build(cls: type[FederatedMethod], dm: FederatedDataModule, **kwargs: Any) -> FederatedMethod:
-    defaults: dict[str, Any] = {"net": "digits_cnn", "local_steps": 3, "batch_size": 8, "local_lr": 0.05}
-    method = cls(num_clients=dm.num_clients, num_classes=dm.num_classes, input_shape=dm.input_shape, **{**defaults, **kwargs})
+    defaults: dict[str, Any] = {
+        "net": "digits_cnn",
+        "local_steps": 3,
+        "batch_size": 8,
+        "local_lr": 0.05,
+    }
+    method = cls(
+        num_clients=dm.num_clients,
+        num_classes=dm.num_classes,
+        input_shape=dm.input_shape,
+        **{**defaults, **kwargs},
+    )
     method.attach_data(dm)
     return method
 
 
-def fit(method: FederatedMethod, dm: FederatedDataModule, rounds: int, **trainer_kwargs: Any) -> Trainer:
+def fit(
+    method: FederatedMethod, dm: FederatedDataModule, rounds: int, **trainer_kwargs: Any
+) -> Trainer:
     trainer = Trainer(
-        max_steps=rounds, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, limit_val_batches=0, **trainer_kwargs,
+        max_steps=rounds,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        **trainer_kwargs,
     )
     trainer.fit(method, datamodule=dm)
     return trainer

@@ -11,8 +11,11 @@ CONFIGS = sorted((Path(__file__).parent / "conf").glob("*.yaml"))
 
 def cli(config: Path, save_dir: Path, *extra: str, subcommand: str = "fit") -> dict:  # type: ignore[type-arg]
     args = [
-        subcommand, f"--config={config}", f"--trainer.logger.init_args.save_dir={save_dir}",
-        "--trainer.enable_progress_bar=false", *extra,
+        subcommand,
+        f"--config={config}",
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+        "--trainer.enable_progress_bar=false",
+        *extra,
     ]
     instance = run(args)
     with open(Path(instance.trainer.log_dir) / "results.json") as f:
@@ -27,7 +30,9 @@ def test_fit_then_test_through_the_cli(config: Path, tmp_path: Path) -> None:
         assert 0 <= fitted["test_last"][key] < (1.0001 if key.startswith("acc") else 100)
     run_dir = tmp_path / config.stem / "version_0"
     assert (run_dir / "partition.json").exists() and (run_dir / "partition_train.csv").exists()
-    tested = cli(config, tmp_path, f"--ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", subcommand="test")
+    tested = cli(
+        config, tmp_path, f"--ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", subcommand="test"
+    )
     assert tested["subcommand"] == "test"
     assert tested["test_last"]["acc"] == pytest.approx(fitted["test_last"]["acc"])
     assert tested["test_at_best_val"] == fitted["test_at_best_val"]
@@ -36,17 +41,39 @@ def test_fit_then_test_through_the_cli(config: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("method", ["fedavg", "pfedhn_pc"])
 def test_resume_reaches_the_state_of_an_uninterrupted_run(method: str, tmp_path: Path) -> None:
     config = Path(__file__).parent / "conf" / f"{method}.yaml"
-    straight = cli(config, tmp_path / "straight", "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--test_after_fit=false")
-    cli(config, tmp_path / "resumed", "--trainer.max_steps=3", "--trainer.val_check_interval=3", "--test_after_fit=false")
+    straight = cli(
+        config,
+        tmp_path / "straight",
+        "--trainer.max_steps=6",
+        "--trainer.val_check_interval=3",
+        "--test_after_fit=false",
+    )
+    cli(
+        config,
+        tmp_path / "resumed",
+        "--trainer.max_steps=3",
+        "--trainer.val_check_interval=3",
+        "--test_after_fit=false",
+    )
     resumed = cli(
-        config, tmp_path / "resumed", "--trainer.max_steps=6", "--trainer.val_check_interval=3",
-        "--ckpt_path=last", "--test_after_fit=false",
+        config,
+        tmp_path / "resumed",
+        "--trainer.max_steps=6",
+        "--trainer.val_check_interval=3",
+        "--ckpt_path=last",
+        "--test_after_fit=false",
     )
     assert resumed["rounds"] == straight["rounds"] == 6
     assert resumed["val_last"] == straight["val_last"]
     assert resumed["comm_bytes_up_total"] == straight["comm_bytes_up_total"]
-    a = torch.load(tmp_path / "straight" / method / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
-    b = torch.load(tmp_path / "resumed" / method / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
+    a = torch.load(
+        tmp_path / "straight" / method / "version_0" / "checkpoints" / "last.ckpt",
+        weights_only=False,
+    )
+    b = torch.load(
+        tmp_path / "resumed" / method / "version_0" / "checkpoints" / "last.ckpt",
+        weights_only=False,
+    )
     for name, tensor in a["state_dict"].items():
         assert torch.equal(tensor, b["state_dict"][name]), name
     for field, tensors in a["pfl"]["client_state"].items():
@@ -77,7 +104,12 @@ def test_fp16_is_refused_and_bf16_runs(tmp_path: Path) -> None:
 def test_nan_loss_stops_with_a_message(tmp_path: Path) -> None:
     config = Path(__file__).parent / "conf" / "fedavg.yaml"
     with pytest.raises(FloatingPointError, match="lower local_lr"):
-        cli(config, tmp_path, "--model.init_args.local_lr=1e12", "--model.init_args.local_max_grad_norm=null")
+        cli(
+            config,
+            tmp_path,
+            "--model.init_args.local_lr=1e12",
+            "--model.init_args.local_max_grad_norm=null",
+        )
 
 
 def test_impossible_split_fails_early(tmp_path: Path) -> None:

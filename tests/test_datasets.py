@@ -25,12 +25,17 @@ def test_synthetic_is_seeded_with_natural_clients() -> None:
     assert len(sizes) == 5 and int(sizes.min()) >= 50
 
 
-@pytest.mark.parametrize(("name", "folder", "gz", "prefix", "classes"), [
-    ("mnist", "MNIST", False, "", 10),
-    ("fashion_mnist", "FashionMNIST", True, "", 10),
-    ("emnist", "EMNIST", False, "emnist-byclass-", 62),
-])
-def test_mnist_family_reads_idx_files(tmp_path: Path, name: str, folder: str, gz: bool, prefix: str, classes: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "folder", "gz", "prefix", "classes"),
+    [
+        ("mnist", "MNIST", False, "", 10),
+        ("fashion_mnist", "FashionMNIST", True, "", 10),
+        ("emnist", "EMNIST", False, "emnist-byclass-", 62),
+    ],
+)
+def test_mnist_family_reads_idx_files(
+    tmp_path: Path, name: str, folder: str, gz: bool, prefix: str, classes: int
+) -> None:
     write_mnist(tmp_path, folder, n_train=60, n_test=20, num_classes=classes, gz=gz, prefix=prefix)
     d = load_dataset(name, str(tmp_path))
     assert d.train_x.shape == (60, 1, 28, 28) and d.test_x.shape == (20, 1, 28, 28)
@@ -51,7 +56,9 @@ def test_gz_only_files_are_read_without_writing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("hundred", [False, True])
-def test_cifar_reads_pickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hundred: bool) -> None:
+def test_cifar_reads_pickles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hundred: bool
+) -> None:
     md5 = write_cifar(tmp_path, hundred=hundred, per_batch=20)
     cls = tvd.CIFAR100 if hundred else tvd.CIFAR10
     monkeypatch.setattr(cls, "train_list", [[f, md5[f]] for f, _ in cls.train_list])
@@ -66,11 +73,14 @@ def test_cifar_reads_pickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hu
         assert len(d.train_y) == 100 and d.train_coarse is None
 
 
-@pytest.mark.parametrize(("name", "expected"), [
-    ("mnist", "MNIST/raw/train-images-idx3-ubyte"),
-    ("cifar10", "cifar-10-batches-py/data_batch_1"),
-    ("cifar100", "cifar-100-python/train"),
-])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("mnist", "MNIST/raw/train-images-idx3-ubyte"),
+        ("cifar10", "cifar-10-batches-py/data_batch_1"),
+        ("cifar100", "cifar-100-python/train"),
+    ],
+)
 def test_missing_files_name_the_expected_paths(tmp_path: Path, name: str, expected: str) -> None:
     with pytest.raises(DatasetNotFoundError, match="download") as info:
         load_dataset(name, str(tmp_path))

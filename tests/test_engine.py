@@ -39,7 +39,10 @@ def test_functional_sgd_matches_torch_optim_with_clipping() -> None:
     cfg = SGDConfig(lr=0.1, momentum=0.9, weight_decay=1e-3, max_grad_norm=0.5)
     params = {n: p.detach().unsqueeze(0).clone() for n, p in net.named_parameters()}
     result = train_clients(
-        cross_entropy_loss(arch), params, [ParamGroup(tuple(params), cfg)], batches,
+        cross_entropy_loss(arch),
+        params,
+        [ParamGroup(tuple(params), cfg)],
+        batches,
         lambda i: (x[i], y[i]),
     )
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
@@ -58,12 +61,22 @@ def test_vectorized_equals_sequential_with_padding_and_idle_steps() -> None:
     torch.manual_seed(0)
     arch = Architecture(DigitsCNN())
     init = arch.initial_params()
-    params = {n: p.unsqueeze(0).repeat(3, *([1] * p.dim())) + 0.01 * torch.randn(3, *p.shape) for n, p in init.items()}
+    params = {
+        n: p.unsqueeze(0).repeat(3, *([1] * p.dim())) + 0.01 * torch.randn(3, *p.shape)
+        for n, p in init.items()
+    }
     batches = random_batches(3, 5, 12, len(y))
     groups = [ParamGroup(tuple(params), SGDConfig(0.05, 0.9, 1e-4, 1.0))]
 
     def run(vectorize: bool):  # type: ignore[no-untyped-def]
-        return train_clients(cross_entropy_loss(arch), dict(params), groups, batches, lambda i: (x[i], y[i]), vectorize=vectorize)
+        return train_clients(
+            cross_entropy_loss(arch),
+            dict(params),
+            groups,
+            batches,
+            lambda i: (x[i], y[i]),
+            vectorize=vectorize,
+        )
 
     fast, slow = run(True), run(False)
     for name in params:
@@ -76,13 +89,18 @@ def test_vectorized_equals_sequential_with_padding_and_idle_steps() -> None:
 def test_inactive_steps_leave_a_client_untouched() -> None:
     x, y = make_data()
     arch = Architecture(DigitsCNN())
-    params = {n: p.unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in arch.initial_params().items()}
+    params = {
+        n: p.unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in arch.initial_params().items()
+    }
     batches = random_batches(2, 3, 8, len(y))
     batches.active[0] = False
     batches.active[1] = True
     result = train_clients(
-        cross_entropy_loss(arch), dict(params), [ParamGroup(tuple(params), SGDConfig(0.1))],
-        batches, lambda i: (x[i], y[i]),
+        cross_entropy_loss(arch),
+        dict(params),
+        [ParamGroup(tuple(params), SGDConfig(0.1))],
+        batches,
+        lambda i: (x[i], y[i]),
     )
     for name in params:
         assert torch.equal(result.params[name][0], params[name][0])
@@ -93,7 +111,13 @@ def test_every_trainable_tensor_needs_a_group() -> None:
     arch = Architecture(DigitsCNN())
     params = {n: p.unsqueeze(0) for n, p in arch.initial_params().items()}
     with pytest.raises(ValueError, match="group"):
-        train_clients(cross_entropy_loss(arch), params, [ParamGroup(("fc2.weight",), SGDConfig(0.1))], random_batches(1, 1, 2, 10), lambda i: make_data()[0][:2])
+        train_clients(
+            cross_entropy_loss(arch),
+            params,
+            [ParamGroup(("fc2.weight",), SGDConfig(0.1))],
+            random_batches(1, 1, 2, 10),
+            lambda i: make_data()[0][:2],
+        )
 
 
 def test_architecture_head_and_no_buffers() -> None:

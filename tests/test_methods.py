@@ -31,7 +31,9 @@ def test_hypernetwork_update_is_gradient_of_surrogate(cls: type[PFedHN]) -> None
     actual = {n: p.grad.clone() for n, p in method.hnet.named_parameters()}
     theta_tilde = trained[0].params
     generated = method.hnet(clients)
-    surrogate = sum(0.5 * ((generated[n] - theta_tilde[n]) ** 2).sum() for n in generated) / len(clients)
+    surrogate = sum(0.5 * ((generated[n] - theta_tilde[n]) ** 2).sum() for n in generated) / len(
+        clients
+    )
     expected = torch.autograd.grad(surrogate, list(method.hnet.parameters()))
     for (name, _), g in zip(method.hnet.named_parameters(), expected, strict=True):
         torch.testing.assert_close(actual[name], g, msg=name)

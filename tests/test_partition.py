@@ -6,8 +6,8 @@ from lightning_pfl.partition import (
     ClassesPerClient,
     Dirichlet,
     Pachinko,
-    PartitionError,
     Partitioner,
+    PartitionError,
     Shards,
     count_matrix,
     split_by_shares,
@@ -18,7 +18,13 @@ NUM_CLASSES = 10
 
 
 def split(p: Partitioner, n: int, seed: int = 0, labels: np.ndarray = LABELS, coarse=None):  # type: ignore[no-untyped-def]
-    return p.split(labels, n, NUM_CLASSES if coarse is None else int(labels.max()) + 1, np.random.default_rng(seed), coarse)
+    return p.split(
+        labels,
+        n,
+        NUM_CLASSES if coarse is None else int(labels.max()) + 1,
+        np.random.default_rng(seed),
+        coarse,
+    )
 
 
 def assert_disjoint(parts: list[np.ndarray]) -> np.ndarray:
@@ -56,7 +62,10 @@ def test_classes_per_client_proportions_apply_to_other_splits() -> None:
     assert np.array_equal(train > 0, test > 0)
     nonzero = shares > 0
     # each (client, class) weight is a / sum_j a_j with a in [0.4, 0.6] and 2 holders per class
-    assert shares[nonzero].min() >= 0.4 / (0.4 + 0.6) - 1e-9 and shares[nonzero].max() <= 0.6 / 1.0 + 1e-9
+    assert (
+        shares[nonzero].min() >= 0.4 / (0.4 + 0.6) - 1e-9
+        and shares[nonzero].max() <= 0.6 / 1.0 + 1e-9
+    )
 
 
 def test_dirichlet_min_samples_by_construction_for_10000_clients() -> None:
@@ -90,14 +99,17 @@ def test_pachinko_draws_fine_labels_inside_drawn_coarse_labels() -> None:
     assert np.median(coarse_counts.max(1) / coarse_counts.sum(1)) > 0.4  # alpha=0.1: concentrated
 
 
-@pytest.mark.parametrize(("make", "n", "message"), [
-    (lambda: ClassesPerClient(11), 5, "only 10 classes"),
-    (lambda: Dirichlet(0.0), 5, "alpha must be > 0"),
-    (lambda: Dirichlet(0.5, min_samples=200), 10, "min_samples"),
-    (lambda: Shards(30), 50, "shards"),
-    (lambda: Pachinko(), 5, "coarse labels"),
-    (lambda: IID(), 2000, "lower num_clients"),
-])
+@pytest.mark.parametrize(
+    ("make", "n", "message"),
+    [
+        (lambda: ClassesPerClient(11), 5, "only 10 classes"),
+        (lambda: Dirichlet(0.0), 5, "alpha must be > 0"),
+        (lambda: Dirichlet(0.5, min_samples=200), 10, "min_samples"),
+        (lambda: Shards(30), 50, "shards"),
+        (lambda: Pachinko(), 5, "coarse labels"),
+        (lambda: IID(), 2000, "lower num_clients"),
+    ],
+)
 def test_impossible_requests_raise_clear_errors(make, n: int, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(PartitionError, match=message):
         split(make(), n)

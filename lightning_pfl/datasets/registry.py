@@ -8,7 +8,6 @@ import pickle
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -233,9 +232,7 @@ DATASETS: dict[str, DatasetSpec] = {
         DatasetSpec(
             "fashion_mnist", 10, (1, 28, 28), _mnist_family("FashionMNIST", "fashion_mnist")
         ),
-        DatasetSpec(
-            "emnist", 62, (1, 28, 28), _mnist_family("EMNIST", "emnist", split="byclass")
-        ),
+        DatasetSpec("emnist", 62, (1, 28, 28), _mnist_family("EMNIST", "emnist", split="byclass")),
         DatasetSpec("cifar10", 10, (3, 32, 32), _cifar("CIFAR10", "cifar10")),
         DatasetSpec(
             "cifar100", 100, (3, 32, 32), _cifar("CIFAR100", "cifar100"), num_coarse_classes=20

@@ -6,11 +6,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from lightning import LightningModule
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from torch.func import vmap
@@ -92,7 +93,9 @@ class FederatedMethod(LightningModule, ABC):
         self.save_hyperparameters()
         self.automatic_optimization = False
         if not 1 <= clients_per_round <= num_clients:
-            raise ValueError(f"clients_per_round must be in [1, {num_clients}], got {clients_per_round}")
+            raise ValueError(
+                f"clients_per_round must be in [1, {num_clients}], got {clients_per_round}"
+            )
         with self.seeded_init(INIT_STREAM):
             self.arch = Architecture(
                 build_network(net, input_shape, num_classes, **(net_args or {}))
@@ -100,6 +103,7 @@ class FederatedMethod(LightningModule, ABC):
         self.store = ClientStateStore(num_clients)
         self.val_metric = ClientAccuracy(num_clients)
         self.test_metric = ClientAccuracy(num_clients)
+        self.comm_bytes_total: Tensor
         self.register_buffer("comm_bytes_total", torch.zeros(2, dtype=torch.float64))
         self._data: FederatedDataModule | None = None
         self.best: dict[str, Any] = {}
@@ -126,11 +130,16 @@ class FederatedMethod(LightningModule, ABC):
 
     # ----------------------------------------------------------------- helpers for methods
     @property
+    def hp(self) -> AttributeDict:
+        """The saved ``__init__`` arguments (``self.hparams``), typed for attribute access."""
+        return cast(AttributeDict, self.hparams)
+
+    @property
     def data(self) -> FederatedDataModule:
         """The client data: the attached DataModule, else the trainer's."""
         if self._data is not None:
             return self._data
-        return self.trainer.datamodule  # type: ignore[attr-defined,no-any-return]
+        return self.trainer.datamodule  # type: ignore[attr-defined]
 
     def attach_data(self, data: FederatedDataModule) -> None:
         """Use ``data`` without a Trainer (to call :meth:`run_round` directly, e.g. to time it)."""
@@ -140,11 +149,11 @@ class FederatedMethod(LightningModule, ABC):
     def seeded_init(self, stream: int = SERVER_INIT_STREAM) -> Iterator[None]:
         """Create modules inside this block to initialize them from the method's seed."""
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.hparams.seed, stream))
+            torch.manual_seed(derive_seed(self.hp.seed, stream))
             yield
 
     def local_sgd(self) -> SGDConfig:
-        h = self.hparams
+        h = self.hp
         return SGDConfig(h.local_lr, h.local_momentum, h.local_weight_decay, h.local_max_grad_norm)
 
     def local_train(
@@ -158,13 +167,16 @@ class FederatedMethod(LightningModule, ABC):
         momentum: Params | None = None,
     ) -> TrainResult:
         """Train ``params`` (stacked over ``clients``) on the clients' own training data."""
-        h = self.hparams
+        h = self.hp
         generator = torch.Generator(self.data.device).manual_seed(
             derive_seed(h.seed, round_idx, BATCH_STREAM)
         )
         batches = self.data.client_batches(
-            clients, h.batch_size, generator,
-            steps=None if h.local_epochs else h.local_steps, epochs=h.local_epochs,
+            clients,
+            h.batch_size,
+            generator,
+            steps=None if h.local_epochs else h.local_steps,
+            epochs=h.local_epochs,
         )
         return train_clients(
             loss_fn or cross_entropy_loss(self.arch),
@@ -203,7 +215,7 @@ class FederatedMethod(LightningModule, ABC):
             )
 
     def _place_state(self) -> None:
-        self.store.to(self.device, offload=self.hparams.offload_client_state)
+        self.store.to(self.device, offload=self.hp.offload_client_state)
 
     def on_fit_start(self) -> None:
         self._place_state()
@@ -217,14 +229,18 @@ class FederatedMethod(LightningModule, ABC):
         self._place_state()
 
     def sample_clients(self, round_idx: int) -> Tensor:
-        generator = torch.Generator().manual_seed(derive_seed(self.hparams.seed, round_idx, CLIENT_STREAM))
-        chosen = torch.randperm(self.hparams.num_clients, generator=generator)
-        return chosen[: self.hparams.clients_per_round].sort().values.to(self.device)
+        generator = torch.Generator().manual_seed(
+            derive_seed(self.hp.seed, round_idx, CLIENT_STREAM)
+        )
+        chosen = torch.randperm(self.hp.num_clients, generator=generator)
+        return chosen[: self.hp.clients_per_round].sort().values.to(self.device)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         round_idx = self.global_step
         if int(batch) != round_idx:
-            raise RuntimeError(f"round index {int(batch)} from the dataloader != global step {round_idx}")
+            raise RuntimeError(
+                f"round index {int(batch)} from the dataloader != global step {round_idx}"
+            )
         start = time.perf_counter()
         optimizer = self.optimizers()
         assert not isinstance(optimizer, list)
@@ -245,7 +261,9 @@ class FederatedMethod(LightningModule, ABC):
         self.log("train/loss", losses.mean(), on_step=True, prog_bar=True)
         for i, direction in enumerate(("down", "up")):
             self.log(f"comm/bytes_{direction}", self._round_bytes[i].float(), on_step=True)
-            self.log(f"comm/bytes_{direction}_total", self.comm_bytes_total[i].float(), on_step=True)
+            self.log(
+                f"comm/bytes_{direction}_total", self.comm_bytes_total[i].float(), on_step=True
+            )
 
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -256,10 +274,12 @@ class FederatedMethod(LightningModule, ABC):
         correct = torch.zeros(len(clients), device=self.device)
         total = torch.zeros_like(correct)
         loss_sum = torch.zeros_like(correct)
-        for index, weight in self.data.eval_blocks(clients, split, self.hparams.eval_batch_size):
+        for index, weight in self.data.eval_blocks(clients, split, self.hp.eval_batch_size):
             x, y = self.data.fetch(index)
             logits = batched_predict(params, x).float()
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(weight)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(
+                weight
+            )
             correct += ((logits.argmax(-1) == y).float() * weight).sum(1)
             total += weight.sum(1)
             loss_sum += (loss * weight).sum(1)
@@ -272,7 +292,7 @@ class FederatedMethod(LightningModule, ABC):
         self.test_metric.update(batch, *self.evaluate(batch, "test"))
 
     def _evaluate_all(self, split: Split) -> dict[str, float]:
-        metric = ClientAccuracy(self.hparams.num_clients).to(self.device)
+        metric = ClientAccuracy(self.hp.num_clients).to(self.device)
         for chunk in self.data.client_chunks():
             chunk = chunk.to(self.device)
             metric.update(chunk, *self.evaluate(chunk, split))
@@ -296,9 +316,13 @@ class FederatedMethod(LightningModule, ABC):
             return
         stats = self._log_summary("val", self.val_metric)
         self.last_val = {**stats, "round": self.global_step}
-        key = self.hparams.select_metric
+        key = self.hp.select_metric
         if not self.best or stats[key] > self.best["val"][key]:
-            self.best = {"round": self.global_step, "val": stats, "test": self._evaluate_all("test")}
+            self.best = {
+                "round": self.global_step,
+                "val": stats,
+                "test": self._evaluate_all("test"),
+            }
         self.log("val/best_acc", self.best["val"][key])
 
     def on_test_epoch_end(self) -> None:
@@ -340,7 +364,7 @@ class FederatedMethod(LightningModule, ABC):
             "test_last": getattr(self, "test_last", None),
             "comm_bytes_down_total": float(self.comm_bytes_total[0]),
             "comm_bytes_up_total": float(self.comm_bytes_total[1]),
-            "seed": self.hparams.seed,
+            "seed": self.hp.seed,
         }
 
 

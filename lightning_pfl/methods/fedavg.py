@@ -27,12 +27,12 @@ class FedAvg(FederatedMethod):
 
     def __init__(self, server_lr: float = 1.0, server_momentum: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        h = self.hparams
+        h = self.hp
         self.net = build_network(h.net, h.input_shape, h.num_classes, **(h.net_args or {}))
         self.net.load_state_dict(self.arch.initial_params())
 
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
-        h = self.hparams
+        h = self.hp
         return torch.optim.SGD(self.net.parameters(), lr=h.server_lr, momentum=h.server_momentum)
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
@@ -49,4 +49,6 @@ class FedAvg(FederatedMethod):
             p.grad = p.detach() - (w * trained[name].to(p.dtype)).sum(0)
 
     def personalized_params(self, clients: Tensor) -> Params:
-        return {n: p.detach().expand(len(clients), *p.shape) for n, p in self.net.named_parameters()}
+        return {
+            n: p.detach().expand(len(clients), *p.shape) for n, p in self.net.named_parameters()
+        }

@@ -53,10 +53,15 @@ class PFedHN(FederatedMethod):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        n = self.hparams.num_clients
+        n = self.hp.num_clients
         with self.seeded_init():
             self.hnet = HyperNetwork(
-                n, self.generated_shapes(), embed_dim or int(1 + n / 4), hidden_dim, n_hidden, spectral_norm
+                n,
+                self.generated_shapes(),
+                embed_dim or int(1 + n / 4),
+                hidden_dim,
+                n_hidden,
+                spectral_norm,
             )
 
     def generated_shapes(self) -> Mapping[str, tuple[int, ...]]:
@@ -64,14 +69,16 @@ class PFedHN(FederatedMethod):
         return self.arch.shapes
 
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
-        h = self.hparams
+        h = self.hp
         groups = [
             {"params": self.hnet.body_parameters()},
             {"params": self.hnet.embedding_parameters(), "lr": h.embed_lr or h.hn_lr},
         ]
         if h.hn_optimizer == "adam":
             return torch.optim.Adam(groups, lr=h.hn_lr, weight_decay=h.hn_weight_decay)
-        return torch.optim.SGD(groups, lr=h.hn_lr, momentum=h.hn_momentum, weight_decay=h.hn_weight_decay)
+        return torch.optim.SGD(
+            groups, lr=h.hn_lr, momentum=h.hn_momentum, weight_decay=h.hn_weight_decay
+        )
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         generated = self.hnet(clients)
@@ -94,8 +101,8 @@ class PFedHN(FederatedMethod):
         )
         for p, g in zip(params, grads, strict=True):
             p.grad = g if g is not None else torch.zeros_like(p)
-        if self.hparams.hn_max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.hparams.hn_max_grad_norm)
+        if self.hp.hn_max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.hp.hn_max_grad_norm)
 
     def personalized_params(self, clients: Tensor) -> Params:
         with torch.no_grad():

@@ -45,7 +45,7 @@ class PFedHNPC(PFedHN):
         return {n: s for n, s in self.arch.shapes.items() if n not in self.arch.head_names}
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
-        h = self.hparams
+        h = self.hp
         generated = self.hnet(clients)
         body = {n: t.detach() for n, t in generated.items()}
         head = self.store.gather("head", clients, self.device)
@@ -58,7 +58,11 @@ class PFedHNPC(PFedHN):
         groups = [ParamGroup(tuple(body), self.local_sgd()), ParamGroup(tuple(head), head_sgd)]
         momentum = {**{n: t.new_zeros(t.shape) for n, t in body.items()}, **head_momentum}
         result = self.local_train(
-            {**{n: t.clone() for n, t in body.items()}, **head}, clients, round_idx, groups, momentum=momentum
+            {**{n: t.clone() for n, t in body.items()}, **head},
+            clients,
+            round_idx,
+            groups,
+            momentum=momentum,
         )
         self.store.scatter("head", clients, {n: result.params[n] for n in head})
         self.store.scatter("head_momentum", clients, {n: result.momentum[n] for n in head})
@@ -68,4 +72,7 @@ class PFedHNPC(PFedHN):
         return result.loss
 
     def personalized_params(self, clients: Tensor) -> Params:
-        return {**super().personalized_params(clients), **self.store.gather("head", clients, self.device)}
+        return {
+            **super().personalized_params(clients),
+            **self.store.gather("head", clients, self.device),
+        }

@@ -68,4 +68,3 @@ class HyperNetwork(nn.Module):
     def body_parameters(self) -> list[nn.Parameter]:
         embedding_ids = {id(p) for p in self.embedding_parameters()}
         return [p for p in self.parameters() if id(p) not in embedding_ids]
-

@@ -18,7 +18,9 @@ class CNNTarget(nn.Module):
     S/M/L budget study). Works for any square input of at least 16 pixels.
     """
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 10, n_kernels: int = 16, input_size: int = 32) -> None:
+    def __init__(
+        self, in_channels: int = 3, num_classes: int = 10, n_kernels: int = 16, input_size: int = 32
+    ) -> None:
         super().__init__()
         side = ((input_size - 4) // 2 - 4) // 2
         if side < 1:
@@ -82,7 +84,9 @@ def _digits(shape: Sequence[int], num_classes: int, **kw: Any) -> nn.Module:
 NETWORKS: dict[str, Callable[..., nn.Module]] = {"cnn": _cnn, "mlp": _mlp, "digits_cnn": _digits}
 
 
-def build_network(name: str, input_shape: Sequence[int], num_classes: int, **kwargs: Any) -> nn.Module:
+def build_network(
+    name: str, input_shape: Sequence[int], num_classes: int, **kwargs: Any
+) -> nn.Module:
     """Build target network ``name`` for inputs of ``input_shape`` and ``num_classes`` outputs."""
     if name not in NETWORKS:
         raise ValueError(f"Unknown network '{name}'. Choose one of: {', '.join(NETWORKS)}.")
