@@ -83,7 +83,8 @@ class PFLCLI(LightningCLI):
         self._write_results()
 
     def _write_results(self) -> None:
-        if not self.trainer.is_global_zero or self.trainer.log_dir is None:
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
+        if not self.trainer.is_global_zero or log_dir is None:
             return
         assert isinstance(self.model, FederatedMethod)
         parser = self._parser(self.subcommand)
@@ -93,7 +94,7 @@ class PFLCLI(LightningCLI):
             "subcommand": self.subcommand,
             "config": json.loads(config),
         }
-        path = os.path.join(self.trainer.log_dir, "results.json")
+        path = os.path.join(log_dir, "results.json")
         with open(path, "w") as f:
             json.dump(results, f, indent=2, default=str)
 

@@ -8,7 +8,9 @@ ROOT = Path(__file__).parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[str(c.relative_to(ROOT / "configs")) for c in CONFIGS])
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=[str(c.relative_to(ROOT / "configs")) for c in CONFIGS]
+)
 def test_every_shipped_config_parses(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run(["fit", f"--config={config}", "--print_config"])

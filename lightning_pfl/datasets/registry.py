@@ -124,6 +124,22 @@ def _load_synthetic(
     )
 
 
+def _load_random_images(
+    root: str,
+    download: bool,
+    seed: int = 0,
+    train_size: int = 50_000,
+    test_size: int = 10_000,
+    **_: Any,
+) -> DatasetArrays:
+    """Random CIFAR-shaped uint8 images with random labels: for timing, not for learning."""
+    g = torch.Generator().manual_seed(seed)
+    n = train_size + test_size
+    x = torch.randint(0, 256, (n, 3, 32, 32), generator=g, dtype=torch.uint8)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return DatasetArrays(x[:train_size], y[:train_size], x[train_size:], y[train_size:])
+
+
 def _read_idx_gz(path: str) -> Tensor:
     """Read a gzipped IDX file with torchvision's reader (without writing next to it)."""
     from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
@@ -234,6 +250,7 @@ DATASETS: dict[str, DatasetSpec] = {
         ),
         DatasetSpec("emnist", 62, (1, 28, 28), _mnist_family("EMNIST", "emnist", split="byclass")),
         DatasetSpec("cifar10", 10, (3, 32, 32), _cifar("CIFAR10", "cifar10")),
+        DatasetSpec("random_cifar10", 10, (3, 32, 32), _load_random_images),
         DatasetSpec(
             "cifar100", 100, (3, 32, 32), _cifar("CIFAR100", "cifar100"), num_coarse_classes=20
         ),

@@ -19,6 +19,7 @@ from torch.func import vmap
 from lightning_pfl.datamodule import FederatedDataModule, Split
 from lightning_pfl.engine import (
     Architecture,
+    ClientBatches,
     ClientStateStore,
     LossFn,
     ParamGroup,
@@ -178,15 +179,63 @@ class FederatedMethod(LightningModule, ABC):
             steps=None if h.local_epochs else h.local_steps,
             epochs=h.local_epochs,
         )
-        return train_clients(
-            loss_fn or cross_entropy_loss(self.arch),
-            params,
-            groups or [ParamGroup(tuple(params), self.local_sgd())],
-            batches,
+        groups = groups or [ParamGroup(tuple(params), self.local_sgd())]
+        loss_fn = loss_fn or cross_entropy_loss(self.arch)
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world == 1:
+            return train_clients(
+                loss_fn, params, groups, batches, self.data.fetch, frozen, momentum, h.vectorize
+            )
+        return self._train_across_ranks(
+            world, loss_fn, params, groups, batches, frozen or {}, momentum
+        )
+
+    def _train_across_ranks(
+        self,
+        world: int,
+        loss_fn: LossFn,
+        params: Params,
+        groups: Sequence[ParamGroup],
+        batches: ClientBatches,
+        frozen: Params,
+        momentum: Params | None,
+    ) -> TrainResult:
+        """Each rank trains a contiguous share of the round's clients; results are all-gathered.
+
+        Batches were drawn for the whole round on every rank, so a client's batches do not
+        depend on which rank trains it, and every rank ends with the full round result and runs
+        the identical server update: the outcome equals the single-process run.
+        """
+        num_clients = batches.active.shape[0]
+        per_rank = -(-num_clients // world)
+        slots = torch.arange(per_rank * world, device=batches.active.device)
+        mine = slots.view(world, per_rank)[self.global_rank]
+        real = mine < num_clients  # padding slots repeat the last client and never step
+        rows = mine.clamp(max=num_clients - 1)
+
+        def take(tensors: Params) -> Params:
+            return {n: t[rows.to(t.device)] for n, t in tensors.items()}
+
+        local = train_clients(
+            loss_fn,
+            take(params),
+            groups,
+            ClientBatches(
+                batches.index[rows], batches.weight[rows], batches.active[rows] & real[:, None]
+            ),
             self.data.fetch,
-            frozen=frozen,
-            momentum=momentum,
-            vectorize=h.vectorize,
+            take(frozen),
+            take(momentum) if momentum is not None else None,
+            self.hp.vectorize,
+        )
+
+        def gather(tensors: Params) -> Params:
+            full = self.all_gather(tensors)
+            return {n: t.flatten(0, 1)[:num_clients] for n, t in full.items()}  # type: ignore[union-attr]
+
+        merged = gather({"loss": local.loss, "steps": local.steps})
+        return TrainResult(
+            gather(local.params), gather(local.momentum), merged["loss"], merged["steps"]
         )
 
     def client_weights(self, clients: Tensor) -> Tensor:
@@ -219,8 +268,9 @@ class FederatedMethod(LightningModule, ABC):
 
     def on_fit_start(self) -> None:
         self._place_state()
-        if self.trainer.is_global_zero and self.trainer.log_dir is not None:
-            report_partition(self.data, self.trainer.log_dir, self.logger)
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
+        if self.trainer.is_global_zero and log_dir is not None:
+            report_partition(self.data, log_dir, self.logger)
 
     def on_validation_start(self) -> None:
         self._place_state()
@@ -301,7 +351,7 @@ class FederatedMethod(LightningModule, ABC):
     def _log_summary(self, prefix: str, metric: ClientAccuracy) -> dict[str, float]:
         stats = {k: float(v) for k, v in metric.compute().items()}
         for key, value in stats.items():
-            self.log(f"{prefix}/{key}", value, sync_dist=False)
+            self.log(f"{prefix}/{key}", value, sync_dist=True)
         if isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero:
             per_client = metric.per_client()
             self.logger.experiment.add_histogram(
@@ -323,15 +373,15 @@ class FederatedMethod(LightningModule, ABC):
                 "val": stats,
                 "test": self._evaluate_all("test"),
             }
-        self.log("val/best_acc", self.best["val"][key])
+        self.log("val/best_acc", self.best["val"][key], sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
         stats = self._log_summary("test", self.test_metric)
         self.test_last = {**stats, "round": self.global_step}
         if self.best:
             for key, value in self.best["test"].items():
-                self.log(f"test_best/{key}", value)
-            self.log("test_best/round", float(self.best["round"]))
+                self.log(f"test_best/{key}", value, sync_dist=True)
+            self.log("test_best/round", float(self.best["round"]), sync_dist=True)
 
     # ----------------------------------------------------------------- state and results
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

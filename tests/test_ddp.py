@@ -1,0 +1,57 @@
+"""Two CPU processes (gloo) under Lightning's DDP give the single-process result."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parents[1]
+
+
+def fit(config: Path, save_dir: Path, *extra: str) -> tuple[dict, dict]:  # type: ignore[type-arg]
+    command = [
+        sys.executable,
+        str(ROOT / "cli.py"),
+        "fit",
+        f"--config={config}",
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+        "--trainer.enable_progress_bar=false",
+        "--model.init_args.clients_per_round=3",
+        "--trainer.max_steps=3",
+        "--trainer.val_check_interval=3",
+        "--test_after_fit=false",
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=save_dir.parent, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = save_dir / config.stem / "version_0"
+    results = json.loads((run_dir / "results.json").read_text())
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    return results, state
+
+
+@pytest.mark.parametrize("method", ["fedavg", "pfedhn"])
+def test_two_process_ddp_equals_single_process(method: str, tmp_path: Path) -> None:
+    config = ROOT / "tests" / "conf" / f"{method}.yaml"
+    single, single_state = fit(config, tmp_path / "single")
+    ddp, ddp_state = fit(
+        config,
+        tmp_path / "ddp",
+        "--trainer.strategy=ddp",
+        "--trainer.devices=2",
+        "--trainer.accelerator=cpu",
+    )
+    for name, tensor in single_state["state_dict"].items():
+        torch.testing.assert_close(
+            ddp_state["state_dict"][name], tensor, rtol=1e-4, atol=1e-5, msg=name
+        )
+    assert ddp["val_last"]["acc"] == pytest.approx(single["val_last"]["acc"], abs=1e-6)
+    assert ddp["val_last"]["loss"] == pytest.approx(single["val_last"]["loss"], rel=1e-4)
+    assert ddp["comm_bytes_up_total"] == single["comm_bytes_up_total"]
