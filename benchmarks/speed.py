@@ -9,8 +9,9 @@ round, client updates (client-steps) per second, achieved FLOP/s and peak device
 ``--total-clients`` adds the cost curve over the total number of clients at a fixed
 ``--curve-clients-per-round``: per-client state grows, the round's work must not.
 
-    python benchmarks/speed.py --device cpu --clients 1 10 --steps 10 --out benchmarks/results/speed_cpu.json
-    python benchmarks/speed.py --device cuda --out benchmarks/results/speed_gpu.json
+    python -m benchmarks.speed --device cpu --clients 1 10 50 --steps 10 \
+        --out benchmarks/results/speed_cpu.json
+    python -m benchmarks.speed --device cuda --out benchmarks/results/speed_gpu.json
 """
 
 from __future__ import annotations
