@@ -19,14 +19,18 @@ class PartitionError(ValueError):
     """Raised for a split that cannot be made; the message says what to change."""
 
 
-def _largest_remainder(total: int, shares: np.ndarray) -> np.ndarray:
-    """Integer counts summing to ``round(total * shares.sum())`` in proportion to ``shares``."""
+def _largest_remainder(total: int, shares: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Integer counts summing to ``round(total * shares.sum())`` in proportion to ``shares``.
+
+    Leftover units go to the largest fractional parts, ties broken at random (a fixed order
+    would starve the same clients in every class).
+    """
     exact = total * shares
     counts = np.floor(exact).astype(np.int64)
     target = min(int(round(exact.sum())), total)
     missing = target - int(counts.sum())
     if missing > 0:
-        order = np.argsort(-(exact - counts), kind="stable")
+        order = np.lexsort((rng.random(len(exact)), -(exact - counts)))
         counts[order[:missing]] += 1
     return counts
 
@@ -50,7 +54,7 @@ def split_by_shares(labels: np.ndarray, shares: np.ndarray, rng: np.random.Gener
     num_classes = shares.shape[1]
     totals = np.bincount(labels, minlength=num_classes)
     counts = np.stack(
-        [_largest_remainder(int(totals[c]), shares[:, c]) for c in range(num_classes)], 1
+        [_largest_remainder(int(totals[c]), shares[:, c], rng) for c in range(num_classes)], 1
     )
     return split_by_counts(labels, counts, rng)
 
@@ -164,7 +168,8 @@ class Dirichlet(Partitioner):
                 excess = int(reserved[:, c].sum() - totals[c])
         remaining = totals - reserved.sum(0)
         extra = np.stack(
-            [_largest_remainder(int(remaining[c]), shares[:, c]) for c in range(num_classes)], 1
+            [_largest_remainder(int(remaining[c]), shares[:, c], rng) for c in range(num_classes)],
+            1,
         )
         return split_by_counts(labels, reserved + extra, rng)
 

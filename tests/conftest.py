@@ -52,3 +52,24 @@ def fit(
     )
     trainer.fit(method, datamodule=dm)
     return trainer
+
+
+@pytest.fixture
+def fake_data_root(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """A root with tiny MNIST/FashionMNIST/EMNIST/CIFAR files; torchvision's md5s patched to them."""
+    import torchvision.datasets as tvd
+
+    from tests.data.fake_datasets import write_cifar, write_mnist
+
+    root = tmp_path_factory.mktemp("datasets")
+    write_mnist(root)
+    write_mnist(root, "FashionMNIST", gz=True)
+    write_mnist(root, "EMNIST", num_classes=62, prefix="emnist-byclass-")
+    for cls, hundred in ((tvd.CIFAR10, False), (tvd.CIFAR100, True)):
+        md5 = write_cifar(root, hundred=hundred)
+        monkeypatch.setattr(cls, "train_list", [[f, md5[f]] for f, _ in cls.train_list])
+        monkeypatch.setattr(cls, "test_list", [[f, md5[f]] for f, _ in cls.test_list])
+        monkeypatch.setattr(cls, "meta", {**cls.meta, "md5": md5[cls.meta["filename"]]})
+    return str(root)

@@ -23,16 +23,16 @@ def cli(config: Path, save_dir: Path, *extra: str, subcommand: str = "fit") -> d
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_fit_then_test_through_the_cli(config: Path, tmp_path: Path) -> None:
-    fitted = cli(config, tmp_path)
+def test_fit_then_test_through_the_cli(config: Path, tmp_path: Path, fake_data_root: str) -> None:
+    root = f"--data.init_args.root={fake_data_root}"
+    fitted = cli(config, tmp_path, root)
     assert fitted["rounds"] == 4 and fitted["best_round"] in (2, 4)
     for key in ("acc", "acc_weighted", "acc_std", "acc_min", "acc_p10", "loss"):
         assert 0 <= fitted["test_last"][key] < (1.0001 if key.startswith("acc") else 100)
     run_dir = tmp_path / config.stem / "version_0"
     assert (run_dir / "partition.json").exists() and (run_dir / "partition_train.csv").exists()
-    tested = cli(
-        config, tmp_path, f"--ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", subcommand="test"
-    )
+    last = f"--ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"
+    tested = cli(config, tmp_path, root, last, subcommand="test")
     assert tested["subcommand"] == "test"
     assert tested["test_last"]["acc"] == pytest.approx(fitted["test_last"]["acc"])
     assert tested["test_at_best_val"] == fitted["test_at_best_val"]

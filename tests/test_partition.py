@@ -113,3 +113,10 @@ def test_pachinko_draws_fine_labels_inside_drawn_coarse_labels() -> None:
 def test_impossible_requests_raise_clear_errors(make, n: int, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(PartitionError, match=message):
         split(make(), n)
+
+
+def test_rounding_does_not_starve_the_last_clients() -> None:
+    labels = np.repeat(np.arange(10), 2)  # 2 samples per class, 3 clients: 1/3 share each
+    parts = split_by_shares(labels, np.full((3, 10), 1 / 3), np.random.default_rng(0))
+    sizes = [len(p) for p in parts]
+    assert sum(sizes) == 20 and min(sizes) >= 5

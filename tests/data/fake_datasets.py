@@ -26,7 +26,15 @@ def _idx_bytes(array: np.ndarray) -> bytes:
     return magic + dims + array.astype(np.uint8).tobytes()
 
 
-def write_mnist(root: Path, folder: str = "MNIST", n_train: int = 60, n_test: int = 20, num_classes: int = 10, gz: bool = False, prefix: str = "") -> None:
+def write_mnist(
+    root: Path,
+    folder: str = "MNIST",
+    n_train: int = 60,
+    n_test: int = 20,
+    num_classes: int = 10,
+    gz: bool = False,
+    prefix: str = "",
+) -> None:
     """Write MNIST-style IDX files (``prefix`` e.g. ``emnist-byclass-`` for EMNIST)."""
     rng = np.random.default_rng(SEED)
     raw = root / folder / "raw"
@@ -49,7 +57,9 @@ def write_cifar(root: Path, hundred: bool = False, per_batch: int = 20) -> dict[
     rng = np.random.default_rng(SEED)
     folder = root / ("cifar-100-python" if hundred else "cifar-10-batches-py")
     folder.mkdir(parents=True, exist_ok=True)
-    batches = ["train", "test"] if hundred else [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    batches = (
+        ["train", "test"] if hundred else [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    )
     md5 = {}
     for name in batches:
         data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
