@@ -58,7 +58,7 @@ def fit(
 def fake_data_root(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> str:
-    """A root with tiny MNIST/FashionMNIST/EMNIST/CIFAR files; torchvision's md5s patched to them."""
+    """Tiny MNIST, FashionMNIST, EMNIST and CIFAR files, torchvision's md5s patched to them."""
     import torchvision.datasets as tvd
 
     from tests.data.fake_datasets import write_cifar, write_mnist
