@@ -10,8 +10,8 @@ script prints a table and writes one JSON file: the personalized test accuracy a
 the best validation accuracy (mean over clients and sample-weighted), the same at the last
 round, and seconds per round.
 
-    python benchmarks/accuracy.py --out benchmarks/results/digits.json
-    python benchmarks/accuracy.py --root ../shared/datasets \
+    python -m benchmarks.accuracy --out benchmarks/results/digits.json
+    python -m benchmarks.accuracy --root ../shared/datasets --rounds-scale 0.3 \
         --out benchmarks/results/fashion_mnist.json
 """
 
