@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--log-dir", default=str(REPO / "benchmarks" / "runs"))
     args = parser.parse_args()
+    started = environment()  # the code and time the runs start from
 
     if args.root:
         config_dir, splits = REPO / "configs" / "fashion_mnist", {"pathological": []}
@@ -165,7 +166,7 @@ def main() -> None:
             {
                 "benchmark": "accuracy",
                 "setting": config_dir.name,
-                "environment": environment(),
+                "environment": started,
                 "command": sys.argv,
                 "rows": rows,
             },

@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--curve-clients-per-round", type=int, default=10)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    started = environment()
 
     step_flops = flops_per_client_step(args.batch)
     rows = []
@@ -183,7 +184,7 @@ def main() -> None:
             )
     result = {
         "benchmark": "speed",
-        "environment": environment(),
+        "environment": started,
         "device": args.device,
         "flops_per_client_step": step_flops,
         "rows": rows,
