@@ -1,7 +1,7 @@
 """lightning-pfl: personalized federated learning on PyTorch Lightning."""
 
 from lightning_pfl.datamodule import FederatedDataModule
-from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, PFedHNPC
+from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, PFedHNPC, PFedKT
 from lightning_pfl.partition import IID, ClassesPerClient, Dirichlet, Pachinko, Partitioner, Shards
 
 __version__ = "0.1.0"
@@ -16,6 +16,7 @@ __all__ = [
     "Local",
     "PFedHN",
     "PFedHNPC",
+    "PFedKT",
     "Pachinko",
     "Partitioner",
     "Shards",

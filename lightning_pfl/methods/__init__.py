@@ -5,5 +5,6 @@ from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.local import Local
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.methods.pfedhn_pc import PFedHNPC
+from lightning_pfl.methods.pfedkt import PFedKT
 
-__all__ = ["FedAvg", "FederatedMethod", "Local", "PFedHN", "PFedHNPC"]
+__all__ = ["FedAvg", "FederatedMethod", "Local", "PFedHN", "PFedHNPC", "PFedKT"]

@@ -67,6 +67,25 @@ class DigitsCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+class KTCNN(nn.Module):
+    """pFedKT's Table 2 CNN: conv 5x5 (16) pool, conv 5x5 (32) pool, fc 800 -> 1920 -> 80 -> C."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, input_size: int = 32) -> None:
+        super().__init__()
+        side = ((input_size - 4) // 2 - 4) // 2
+        self.conv1 = nn.Conv2d(in_channels, 16, 5)
+        self.conv2 = nn.Conv2d(16, 32, 5)
+        self.fc1 = nn.Linear(32 * side * side, 1920)
+        self.fc2 = nn.Linear(1920, 80)
+        self.fc3 = nn.Linear(80, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc3(F.relu(self.fc2(x)))
+
+
 def _cnn(shape: Sequence[int], num_classes: int, **kw: Any) -> nn.Module:
     return CNNTarget(shape[0], num_classes, input_size=shape[-1], **kw)
 
@@ -75,13 +94,22 @@ def _mlp(shape: Sequence[int], num_classes: int, **kw: Any) -> nn.Module:
     return MLPTarget(math.prod(shape), num_classes, **kw)
 
 
+def _kt_cnn(shape: Sequence[int], num_classes: int, **kw: Any) -> nn.Module:
+    return KTCNN(shape[0], num_classes, input_size=shape[-1], **kw)
+
+
 def _digits(shape: Sequence[int], num_classes: int, **kw: Any) -> nn.Module:
     if tuple(shape[-2:]) != (8, 8):
         raise ValueError(f"digits_cnn expects 8x8 inputs, got {tuple(shape)}; use 'cnn' or 'mlp'.")
     return DigitsCNN(shape[0], num_classes, **kw)
 
 
-NETWORKS: dict[str, Callable[..., nn.Module]] = {"cnn": _cnn, "mlp": _mlp, "digits_cnn": _digits}
+NETWORKS: dict[str, Callable[..., nn.Module]] = {
+    "cnn": _cnn,
+    "kt_cnn": _kt_cnn,
+    "mlp": _mlp,
+    "digits_cnn": _digits,
+}
 
 
 def build_network(

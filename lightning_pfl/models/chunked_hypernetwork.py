@@ -1,0 +1,57 @@
+"""pFedKT's local hypernetwork: one learnable embedding per chunk of the flattened model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+class ChunkedHyperNetwork(nn.Module):
+    """Generates a whole model chunk by chunk: ``theta = concat_j f(e_j)[:K]``.
+
+    The target's K parameters (flattened in name order) are cut into ``ceil(K / chunk_size)``
+    chunks; chunk j has a learnable embedding e_j, the shared MLP f maps it to ``chunk_size``
+    values, the outputs are concatenated, cut to K and reshaped into the target's tensors.
+
+    Args:
+        target_shapes: parameter name -> shape of the generated model.
+        embed_dim: chunk embedding size (pFedKT: 13).
+        hidden: widths of the hidden layers (pFedKT: (100, 100); CIFAR-100 adds one more).
+        chunk_size: values generated per call (pFedKT: 400; the "large" HN: all of K).
+    """
+
+    def __init__(
+        self,
+        target_shapes: Mapping[str, tuple[int, ...]],
+        embed_dim: int = 13,
+        hidden: Sequence[int] = (100, 100),
+        chunk_size: int = 400,
+    ) -> None:
+        super().__init__()
+        self.target_shapes = dict(target_shapes)
+        self.numel = sum(math.prod(s) for s in self.target_shapes.values())
+        self.chunk_size = min(chunk_size, self.numel)
+        self.num_chunks = -(-self.numel // self.chunk_size)
+        self.chunk_embeddings = nn.Parameter(torch.randn(self.num_chunks, embed_dim))
+        widths = [embed_dim, *hidden]
+        layers: list[nn.Module] = []
+        for i, o in zip(widths[:-1], widths[1:], strict=True):
+            layers += [nn.Linear(i, o), nn.ReLU()]
+        self.mlp = nn.Sequential(*layers, nn.Linear(widths[-1], self.chunk_size))
+
+    def forward(self) -> dict[str, Tensor]:
+        flat = self.mlp(self.chunk_embeddings).float().flatten()[: self.numel]
+        return self.unflatten(flat)
+
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        """Cut a flat vector of K values into the target's tensors (name order)."""
+        sizes = [math.prod(s) for s in self.target_shapes.values()]
+        pieces = flat.split(sizes, dim=-1)
+        lead = flat.shape[:-1]
+        return {
+            name: piece.reshape(*lead, *shape)
+            for (name, shape), piece in zip(self.target_shapes.items(), pieces, strict=True)
+        }
