@@ -32,7 +32,13 @@ import torch
 from lightning_pfl.cli import run
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = {"Local": "local", "FedAvg": "fedavg", "pFedHN": "pfedhn", "pFedHN-PC": "pfedhn_pc"}
+METHODS = {
+    "Local": "local",
+    "FedAvg": "fedavg",
+    "pFedHN": "pfedhn",
+    "pFedHN-PC": "pfedhn_pc",
+    "pFedKT": "pfedkt",
+}
 SPLITS = {
     "pathological": [
         "--data.init_args.partition=ClassesPerClient",
@@ -142,6 +148,9 @@ def main() -> None:
         for split, split_args in splits.items():
             for method in args.methods:
                 config = config_dir / f"{METHODS[method]}.yaml"
+                if not config.exists():
+                    print(f"skipping {method}: no {config}")
+                    continue
                 rounds = _scaled_rounds(config, args.rounds_scale)
                 extra = [
                     *base,

@@ -59,8 +59,11 @@ class PFedKT(FedAvg):
             A and C).
         use_contrastive: False: plain CE (Table 11 cases A and B). Both False: FedAvg training
             with the last trained local model as personalized model.
-        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: SGD lr 1e-2,
-            momentum 0.9, wd 5e-5, batch 64, ``clients_per_round`` = 10% of clients).
+        local_epochs: local epochs E per round (paper-style default 1).
+        local_lr: client SGD learning rate (paper: 1e-2).
+        local_max_grad_norm: client gradient clip (paper: none).
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: momentum 0.9,
+            wd 5e-5, batch 64, ``clients_per_round`` = 10% of clients).
     """
 
     def __init__(
@@ -76,12 +79,17 @@ class PFedKT(FedAvg):
         temperature: float = 0.5,
         use_hypernetwork: bool = True,
         use_contrastive: bool = True,
+        local_epochs: int | None = 1,
+        local_lr: float = 1e-2,
+        local_max_grad_norm: float | None = None,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("local_epochs", 1)
-        kwargs.setdefault("local_lr", 1e-2)
-        kwargs.setdefault("local_max_grad_norm", None)
-        super().__init__(**kwargs)
+        super().__init__(
+            local_epochs=local_epochs,
+            local_lr=local_lr,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         with self.seeded_init():
             hn = ChunkedHyperNetwork(self.arch.shapes, embed_dim, hn_hidden, chunk_size)
         # A list keeps the weightless template off the module tree (and off .to(device)).
