@@ -47,8 +47,17 @@ def flops_per_client_step(batch: int) -> int:
 def build(
     method: str, num_clients: int, clients_per_round: int, args: argparse.Namespace, vectorize: bool
 ) -> FederatedMethod:
+    # 80 random images per client, 64 of them for training: every client has one full batch,
+    # so the work per client is the same at every total number of clients.
     data = FederatedDataModule(
-        "random_cifar10", num_clients=num_clients, partition=IID(), val_fraction=0.0, seed=0
+        "random_cifar10",
+        num_clients=num_clients,
+        partition=IID(),
+        eval_split="holdout",
+        val_fraction=0.0,
+        test_fraction=0.2,
+        dataset_options={"train_size": 80 * num_clients, "test_size": 0},
+        seed=0,
     )
     data.setup()
     data.to(torch.device(args.device))

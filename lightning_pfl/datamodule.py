@@ -243,11 +243,15 @@ class FederatedDataModule(LightningDataModule):
         for split in required:
             empty = [i for i, p in enumerate(parts[split]) if len(p) == 0]
             if empty:
+                advice = {
+                    "train": "use fewer clients or a larger Dirichlet min_samples",
+                    "val": "use a larger val_fraction or fewer clients",
+                    "test": "use fewer clients, a larger Dirichlet alpha or test_fraction, or "
+                    "eval_split: holdout",
+                }[split]
                 raise PartitionError(
-                    f"{len(empty)} client(s) (e.g. {empty[:5]}) have no {split} samples under this "
-                    f"split of '{self.dataset}'. Use fewer clients, a larger Dirichlet alpha or "
-                    f"min_samples, a larger {'test' if split == 'test' else 'val'}_fraction, or "
-                    "eval_split: holdout."
+                    f"{len(empty)} client(s) (e.g. {empty[:5]}) have no {split} samples under "
+                    f"this split of '{self.dataset}'; {advice}."
                 )
 
     def partition_counts(self) -> dict[str, np.ndarray]:

@@ -98,7 +98,7 @@ class Partitioner(ABC):
 
 
 class IID(Partitioner):
-    """Stratified IID split: every client gets an equal share of every class."""
+    """IID split: a random permutation cut into ``num_clients`` parts of equal size (+-1)."""
 
     def split(
         self,
@@ -109,8 +109,7 @@ class IID(Partitioner):
         coarse_labels: np.ndarray | None = None,
     ) -> IndexLists:
         self._check_clients(num_clients, len(labels))
-        shares = np.full((num_clients, num_classes), 1.0 / num_clients)
-        return split_by_shares(labels, shares, rng)
+        return [np.sort(p) for p in np.array_split(rng.permutation(len(labels)), num_clients)]
 
 
 class Dirichlet(Partitioner):

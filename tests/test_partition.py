@@ -120,3 +120,9 @@ def test_rounding_does_not_starve_the_last_clients() -> None:
     parts = split_by_shares(labels, np.full((3, 10), 1 / 3), np.random.default_rng(0))
     sizes = [len(p) for p in parts]
     assert sum(sizes) == 20 and min(sizes) >= 5
+
+
+def test_iid_gives_equal_sizes_even_with_more_clients_than_samples_per_class() -> None:
+    labels = np.random.default_rng(0).integers(0, 10, 50_000)
+    sizes = [len(p) for p in split(IID(), 10_000, labels=labels)]
+    assert min(sizes) == max(sizes) == 5
