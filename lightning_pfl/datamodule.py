@@ -345,10 +345,21 @@ def _cat_optional(a: Tensor | None, b: Tensor | None) -> np.ndarray | None:
     return torch.cat([a, b]).numpy()
 
 
-def _channel_stats(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-channel mean and std of uint8 images in [0, 1] units (empty for float features)."""
+def _channel_stats(x: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and std of uint8 images in [0, 1] units (empty for float features).
+
+    Accumulated in float64 over chunks, so large datasets are never converted whole to float.
+    """
     if x.dtype != torch.uint8:
         return torch.zeros(0), torch.ones(0)
     dims = [0] + list(range(2, x.dim()))
-    xf = x.float() / 255.0
-    return xf.mean(dims), xf.std(dims).clamp_min(1e-6)
+    total = torch.zeros(x.shape[1], dtype=torch.float64)
+    squares = torch.zeros_like(total)
+    for block in x.split(chunk):
+        values = block.double() / 255.0
+        total += values.sum(dims)
+        squares += (values**2).sum(dims)
+    count = x.numel() / x.shape[1]
+    mean = total / count
+    std = (squares / count - mean**2).clamp_min(0).sqrt() * math.sqrt(count / max(count - 1, 1))
+    return mean.float(), std.float().clamp_min(1e-6)

@@ -89,3 +89,15 @@ def test_inputs_are_normalized_on_the_fly() -> None:
     assert dm.inputs.dtype == torch.uint8
     assert abs(float(x.mean())) < 0.05 and abs(float(x.std()) - 1) < 0.05
     assert y.dtype == torch.int64
+
+
+def test_channel_stats_in_chunks_equal_the_direct_computation() -> None:
+    from lightning_pfl.datamodule import _channel_stats
+
+    x = torch.randint(
+        0, 256, (5000, 3, 4, 4), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
+    )
+    mean, std = _channel_stats(x, chunk=777)
+    xf = x.float() / 255
+    torch.testing.assert_close(mean, xf.mean([0, 2, 3]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(std, xf.std([0, 2, 3]), rtol=1e-5, atol=1e-5)
