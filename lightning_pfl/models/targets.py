@@ -13,13 +13,19 @@ from torch import Tensor, nn
 class CNNTarget(nn.Module):
     """The pFedHN "LeNet-based" target CNN.
 
-    conv(in -> k, 5x5) ReLU maxpool2, conv(k -> 2k, 5x5) ReLU maxpool2, fc -> 120 ReLU,
-    fc 120 -> 84 ReLU, fc 84 -> C. ``n_kernels`` is k (16 in the paper; 8/16/32 for its
-    S/M/L budget study). Works for any square input of at least 16 pixels.
+    conv(in -> k, 5x5) ReLU maxpool2, conv(k -> 2k, 5x5) ReLU maxpool2, fc -> h1 ReLU,
+    fc h1 -> h2 ReLU, fc h2 -> C. ``n_kernels`` is k (16 in the paper; 8/16/32 for its S/M/L
+    budget study); ``hidden`` is (h1, h2): (120, 84) for pFedHN, (1920, 80) for pFedKT's Table 2
+    CNN. Works for any square input of at least 16 pixels.
     """
 
     def __init__(
-        self, in_channels: int = 3, num_classes: int = 10, n_kernels: int = 16, input_size: int = 32
+        self,
+        in_channels: int = 3,
+        num_classes: int = 10,
+        n_kernels: int = 16,
+        input_size: int = 32,
+        hidden: tuple[int, int] = (120, 84),
     ) -> None:
         super().__init__()
         side = ((input_size - 4) // 2 - 4) // 2
@@ -27,9 +33,9 @@ class CNNTarget(nn.Module):
             raise ValueError(f"CNNTarget needs inputs of at least 16 pixels, got {input_size}.")
         self.conv1 = nn.Conv2d(in_channels, n_kernels, 5)
         self.conv2 = nn.Conv2d(n_kernels, 2 * n_kernels, 5)
-        self.fc1 = nn.Linear(2 * n_kernels * side * side, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, num_classes)
+        self.fc1 = nn.Linear(2 * n_kernels * side * side, hidden[0])
+        self.fc2 = nn.Linear(hidden[0], hidden[1])
+        self.fc3 = nn.Linear(hidden[1], num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
@@ -67,25 +73,6 @@ class DigitsCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-class KTCNN(nn.Module):
-    """pFedKT's Table 2 CNN: conv 5x5 (16) pool, conv 5x5 (32) pool, fc 800 -> 1920 -> 80 -> C."""
-
-    def __init__(self, in_channels: int = 3, num_classes: int = 10, input_size: int = 32) -> None:
-        super().__init__()
-        side = ((input_size - 4) // 2 - 4) // 2
-        self.conv1 = nn.Conv2d(in_channels, 16, 5)
-        self.conv2 = nn.Conv2d(16, 32, 5)
-        self.fc1 = nn.Linear(32 * side * side, 1920)
-        self.fc2 = nn.Linear(1920, 80)
-        self.fc3 = nn.Linear(80, num_classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc3(F.relu(self.fc2(x)))
-
-
 def _cnn(shape: Sequence[int], num_classes: int, **kw: Any) -> nn.Module:
     return CNNTarget(shape[0], num_classes, input_size=shape[-1], **kw)
 
@@ -95,7 +82,7 @@ def _mlp(shape: Sequence[int], num_classes: int, **kw: Any) -> nn.Module:
 
 
 def _kt_cnn(shape: Sequence[int], num_classes: int, **kw: Any) -> nn.Module:
-    return KTCNN(shape[0], num_classes, input_size=shape[-1], **kw)
+    return CNNTarget(shape[0], num_classes, 16, shape[-1], hidden=(1920, 80), **kw)
 
 
 def _digits(shape: Sequence[int], num_classes: int, **kw: Any) -> nn.Module:
