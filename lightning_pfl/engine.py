@@ -10,7 +10,7 @@ whose client step cannot be vmapped.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,9 +50,6 @@ class Architecture:
     def initial_params(self) -> Params:
         """The weights of the network this architecture was built from (a copy)."""
         return {name: p.clone() for name, p in self._initial.items()}
-
-    def numel(self, names: Iterable[str] | None = None) -> int:
-        return sum(int(np.prod(self.shapes[n])) for n in (names or self.shapes))
 
 
 @dataclass(frozen=True)

@@ -308,20 +308,3 @@ class Pachinko(Partitioner):
                 coarse_left[k] -= 1
             parts.append(np.sort(np.array(taken, dtype=np.int64)))
         return parts
-
-
-class Natural(Partitioner):
-    """Use the dataset's own client of every sample (Synthetic, LEAF). Set by the dataset."""
-
-    def split(
-        self,
-        labels: np.ndarray,
-        num_clients: int,
-        num_classes: int,
-        rng: np.random.Generator,
-        coarse_labels: np.ndarray | None = None,
-    ) -> IndexLists:
-        raise PartitionError(
-            "Natural partitions come from the dataset itself; choose a dataset with natural "
-            "clients (e.g. synthetic)."
-        )
