@@ -183,7 +183,9 @@ class FederatedDataModule(LightningDataModule):
             s: count_matrix(self.labels.numpy(), p, self.num_classes) for s, p in parts.items()
         }
         self._validate(parts)
-        self.mean, self.std = _channel_stats(inputs[np.concatenate(parts["train"])])
+        self.mean, self.std = _channel_stats(
+            inputs, torch.from_numpy(np.concatenate(parts["train"]))
+        )
         self.inputs = inputs
         self._parts = parts
         self.to(self.trainer.strategy.root_device if self.trainer else torch.device("cpu"))
@@ -345,21 +347,22 @@ def _cat_optional(a: Tensor | None, b: Tensor | None) -> np.ndarray | None:
     return torch.cat([a, b]).numpy()
 
 
-def _channel_stats(x: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
-    """Per-channel mean and std of uint8 images in [0, 1] units (empty for float features).
+def _channel_stats(x: Tensor, index: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and std of the uint8 images ``x[index]`` in [0, 1] units.
 
-    Accumulated in float64 over chunks, so large datasets are never converted whole to float.
+    Accumulated in float64 over chunks of ``index``, so neither a float copy nor a copy of the
+    selected images is ever made whole. Empty for float features.
     """
     if x.dtype != torch.uint8:
         return torch.zeros(0), torch.ones(0)
     dims = [0] + list(range(2, x.dim()))
     total = torch.zeros(x.shape[1], dtype=torch.float64)
     squares = torch.zeros_like(total)
-    for block in x.split(chunk):
-        values = block.double() / 255.0
+    for ids in index.split(chunk):
+        values = x[ids].double() / 255.0
         total += values.sum(dims)
         squares += (values**2).sum(dims)
-    count = x.numel() / x.shape[1]
+    count = len(index) * x[0, 0].numel()
     mean = total / count
     std = (squares / count - mean**2).clamp_min(0).sqrt() * math.sqrt(count / max(count - 1, 1))
     return mean.float(), std.float().clamp_min(1e-6)
