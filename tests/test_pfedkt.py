@@ -25,7 +25,7 @@ def test_chunked_hypernetwork_generates_every_parameter_exactly_once(chunk_size:
     flat = torch.cat([t.flatten() for t in pieces.values()])
     assert torch.equal(flat, torch.arange(numel, dtype=torch.float64))
     if chunk_size == 7:
-        generated = hn()
+        generated = hn.unflatten(hn())
         assert sum(t.numel() for t in generated.values()) == numel
 
 

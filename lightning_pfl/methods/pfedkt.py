@@ -94,17 +94,14 @@ class PFedKT(FedAvg):
             hn = ChunkedHyperNetwork(self.arch.shapes, embed_dim, hn_hidden, chunk_size)
         # A list keeps the weightless template off the module tree (and off .to(device)).
         self._hn_template = [copy.deepcopy(hn).to("meta")]
-        initial_pm = hn() if use_hypernetwork else self.arch.initial_params()
+        initial_pm = hn.unflatten(hn()) if use_hypernetwork else self.arch.initial_params()
         if use_hypernetwork:
             self.store.add_field("hn", dict(hn.named_parameters()))
         self.store.add_field("pm", {n: t.detach() for n, t in initial_pm.items()})
 
     def generate(self, hn_params: Params) -> Tensor:
         """The flat PM of one client from its HN parameters (vmapped over clients)."""
-        template = self._hn_template[0]
-        mlp = {k.removeprefix("mlp."): v for k, v in hn_params.items() if k.startswith("mlp.")}
-        flat = functional_call(template.mlp, mlp, (hn_params["chunk_embeddings"],))
-        return flat.float().flatten()[: template.numel]
+        return functional_call(self._hn_template[0], hn_params, ())
 
     def kt_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
         h = self.hp

@@ -42,9 +42,9 @@ class ChunkedHyperNetwork(nn.Module):
             layers += [nn.Linear(i, o), nn.ReLU()]
         self.mlp = nn.Sequential(*layers, nn.Linear(widths[-1], self.chunk_size))
 
-    def forward(self) -> dict[str, Tensor]:
-        flat = self.mlp(self.chunk_embeddings).float().flatten()[: self.numel]
-        return self.unflatten(flat)
+    def forward(self) -> Tensor:
+        """The flat generated model: K values in name order (see :meth:`unflatten`)."""
+        return self.mlp(self.chunk_embeddings).float().flatten()[: self.numel]
 
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
         """Cut a flat vector of K values into the target's tensors (name order)."""
