@@ -90,3 +90,10 @@ def test_missing_files_name_the_expected_paths(tmp_path: Path, name: str, expect
 def test_unknown_dataset_lists_choices() -> None:
     with pytest.raises(ValueError, match="cifar10"):
         load_dataset("imagenet")
+
+
+def test_random_timing_images_are_seeded_and_sized() -> None:
+    a = load_dataset("random_cifar10", seed=1, train_size=40, test_size=8)
+    b = load_dataset("random_cifar10", seed=1, train_size=40, test_size=8)
+    assert a.train_x.shape == (40, 3, 32, 32) and a.test_x.shape == (8, 3, 32, 32)
+    assert torch.equal(a.train_x, b.train_x) and a.train_x.dtype == torch.uint8
