@@ -1,4 +1,4 @@
-"""Accuracy benchmark: Local, FedAvg, pFedHN and pFedHN-PC on identical seeded splits.
+"""Accuracy benchmark: every method with a config, on identical seeded splits.
 
 Without ``--root``: digits (bundled with scikit-learn), pathological (2 classes per client) and
 Dirichlet(0.3) splits, configs ``configs/digits/*.yaml``.
@@ -8,9 +8,11 @@ With ``--root DIR``: FashionMNIST from DIR in the pFedHN setting (50 clients, 2 
 Every run goes through the CLI (``fit`` then test) and its ``results.json`` is collected. The
 script prints a table and writes one JSON file: the personalized test accuracy at the round with
 the best validation accuracy (mean over clients and sample-weighted), the same at the last
-round, and seconds per round.
+round, and seconds per round. Each row records the commit it ran from; ``--merge`` adds or
+replaces rows in an existing file instead of overwriting it.
 
     python -m benchmarks.accuracy --out benchmarks/results/digits.json
+    python -m benchmarks.accuracy --methods FedSimSup --merge --out benchmarks/results/digits.json
     python -m benchmarks.accuracy --root ../shared/datasets --rounds-scale 0.3 \
         --out benchmarks/results/fashion_mnist.json
 """
@@ -38,6 +40,7 @@ METHODS = {
     "pFedHN": "pfedhn",
     "pFedHN-PC": "pfedhn_pc",
     "pFedKT": "pfedkt",
+    "FedSimSup": "fedsimsup",
 }
 SPLITS = {
     "pathological": [
@@ -66,9 +69,12 @@ def run_one(config: Path, extra: list[str], log_dir: Path, name: str) -> dict[st
         return json.load(f)
 
 
-def summarize(method: str, split: str, seed: int, result: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    method: str, split: str, seed: int, result: dict[str, Any], commit: str
+) -> dict[str, Any]:
     best, last = result["test_at_best_val"] or {}, result["test_last"] or {}
     return {
+        "commit": commit,
         "method": method,
         "split": split,
         "seed": seed,
@@ -135,6 +141,11 @@ def main() -> None:
     )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--log-dir", default=str(REPO / "benchmarks" / "runs"))
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of --out that this run does not redo (same method, split, seed)",
+    )
     args = parser.parse_args()
     started = environment()  # the code and time the runs start from
 
@@ -165,8 +176,19 @@ def main() -> None:
                     Path(args.log_dir),
                     f"{config_dir.name}-{split}-{METHODS[method]}-s{seed}",
                 )
-                rows.append(summarize(method, split, seed, result))
+                rows.append(summarize(method, split, seed, result, started["commit"]))
                 print_table(rows[-1:])
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+        previous = [{"commit": old["environment"]["commit"], **r} for r in old["rows"]]
+        redone = {(r["method"], r["split"], r["seed"]) for r in rows}
+        kept = [r for r in previous if (r["method"], r["split"], r["seed"]) not in redone]
+        order = list(METHODS)
+        rows = sorted(
+            kept + rows,
+            key=lambda r: (r["seed"], r["split"] != "pathological", order.index(r["method"])),
+        )
     print()
     print_table(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

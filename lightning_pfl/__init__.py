@@ -1,7 +1,15 @@
 """lightning-pfl: personalized federated learning on PyTorch Lightning."""
 
 from lightning_pfl.datamodule import FederatedDataModule
-from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, PFedHNPC, PFedKT
+from lightning_pfl.methods import (
+    FedAvg,
+    FederatedMethod,
+    FedSimSup,
+    Local,
+    PFedHN,
+    PFedHNPC,
+    PFedKT,
+)
 from lightning_pfl.partition import IID, ClassesPerClient, Dirichlet, Pachinko, Partitioner, Shards
 
 __version__ = "0.1.0"
@@ -13,6 +21,7 @@ __all__ = [
     "FedAvg",
     "FederatedDataModule",
     "FederatedMethod",
+    "FedSimSup",
     "Local",
     "PFedHN",
     "PFedHNPC",

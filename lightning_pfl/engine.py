@@ -89,6 +89,12 @@ class ClientBatches:
     weight: Tensor
     active: Tensor
 
+    def select(self, rows: Tensor) -> ClientBatches:
+        """The batches of clients ``rows`` only, without the steps none of them takes."""
+        active = self.active[rows]
+        steps = int(active.any(0).nonzero().max()) + 1 if bool(active.any()) else 0
+        return ClientBatches(self.index[rows, :steps], self.weight[rows, :steps], active[:, :steps])
+
 
 @dataclass
 class TrainResult:
@@ -210,10 +216,13 @@ class ClientStateStore:
         self.fields: dict[str, Params] = {}
         self.device = torch.device("cpu")
 
-    def add_field(self, name: str, per_client_init: Mapping[str, Tensor]) -> None:
-        """Give every client its own copy of ``per_client_init``."""
+    def add_field(
+        self, name: str, per_client_init: Mapping[str, Tensor], rows: int | None = None
+    ) -> None:
+        """Give every client (or ``rows`` rows, for state only some clients have) a copy."""
+        rows = self.num_clients if rows is None else rows
         self.fields[name] = {
-            k: v.detach().unsqueeze(0).repeat(self.num_clients, *([1] * v.dim())).to(self.device)
+            k: v.detach().unsqueeze(0).repeat(rows, *([1] * v.dim())).to(self.device)
             for k, v in per_client_init.items()
         }
 

@@ -19,7 +19,9 @@ class ClientAccuracy(Metric):
     - ``loss``: mean over clients of each client's mean cross-entropy,
     - ``loss_weighted``: pooled summed cross-entropy / pooled total.
 
-    Clients with no samples in the split are left out of the per-client statistics.
+    Clients with no samples in the split are left out of the per-client statistics. For every
+    named group of clients in ``groups`` (e.g. FedSimSup's supervisor types), ``<group>/acc`` and
+    ``<group>/acc_weighted`` are the same two accuracies over that group's clients only.
     """
 
     full_state_update = False
@@ -27,8 +29,9 @@ class ClientAccuracy(Metric):
     total: Tensor
     loss_sum: Tensor
 
-    def __init__(self, num_clients: int) -> None:
+    def __init__(self, num_clients: int, groups: dict[str, Tensor] | None = None) -> None:
         super().__init__()
+        self.groups = groups or {}
         for name in ("correct", "total", "loss_sum"):
             self.add_state(
                 name, torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum"
@@ -48,7 +51,13 @@ class ClientAccuracy(Metric):
         seen = self.total > 0
         acc = (self.correct / self.total.clamp_min(1))[seen]
         loss = (self.loss_sum / self.total.clamp_min(1))[seen]
-        return {
+        by_group = {}
+        for name, clients in self.groups.items():
+            ids = clients.to(self.total.device)
+            correct, total = self.correct[ids], self.total[ids]
+            by_group[f"{name}/acc"] = (correct / total.clamp_min(1))[total > 0].mean()
+            by_group[f"{name}/acc_weighted"] = correct.sum() / total.sum()
+        return by_group | {
             "acc": acc.mean(),
             "acc_weighted": self.correct.sum() / self.total.sum(),
             "acc_std": acc.std(unbiased=False),

@@ -19,7 +19,7 @@ class PartitionError(ValueError):
     """Raised for a split that cannot be made; the message says what to change."""
 
 
-def _largest_remainder(total: int, shares: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def largest_remainder(total: int, shares: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Integer counts summing to ``round(total * shares.sum())`` in proportion to ``shares``.
 
     Leftover units go to the largest fractional parts, ties broken at random (a fixed order
@@ -54,7 +54,7 @@ def split_by_shares(labels: np.ndarray, shares: np.ndarray, rng: np.random.Gener
     num_classes = shares.shape[1]
     totals = np.bincount(labels, minlength=num_classes)
     counts = np.stack(
-        [_largest_remainder(int(totals[c]), shares[:, c], rng) for c in range(num_classes)], 1
+        [largest_remainder(int(totals[c]), shares[:, c], rng) for c in range(num_classes)], 1
     )
     return split_by_counts(labels, counts, rng)
 
@@ -167,7 +167,7 @@ class Dirichlet(Partitioner):
                 excess = int(reserved[:, c].sum() - totals[c])
         remaining = totals - reserved.sum(0)
         extra = np.stack(
-            [_largest_remainder(int(remaining[c]), shares[:, c], rng) for c in range(num_classes)],
+            [largest_remainder(int(remaining[c]), shares[:, c], rng) for c in range(num_classes)],
             1,
         )
         return split_by_counts(labels, reserved + extra, rng)

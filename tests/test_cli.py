@@ -36,6 +36,9 @@ def test_fit_then_test_through_the_cli(config: Path, tmp_path: Path, fake_data_r
     assert tested["subcommand"] == "test"
     assert tested["test_last"]["acc"] == pytest.approx(fitted["test_last"]["acc"])
     assert tested["test_at_best_val"] == fitted["test_at_best_val"]
+    if config.stem == "fedsimsup":
+        for kind in ("cnn", "vit"):
+            assert 0 <= fitted["test_last"][f"supervisor_{kind}/acc"] <= 1
 
 
 @pytest.mark.parametrize("method", ["fedavg", "pfedhn_pc"])

@@ -37,7 +37,7 @@ def fit(config: Path, save_dir: Path, *extra: str) -> tuple[dict, dict]:  # type
     return results, state
 
 
-@pytest.mark.parametrize("method", ["fedavg", "pfedhn"])
+@pytest.mark.parametrize("method", ["fedavg", "pfedhn", "fedsimsup"])
 def test_two_process_ddp_equals_single_process(method: str, tmp_path: Path) -> None:
     config = ROOT / "tests" / "conf" / f"{method}.yaml"
     single, single_state = fit(config, tmp_path / "single")
@@ -52,6 +52,11 @@ def test_two_process_ddp_equals_single_process(method: str, tmp_path: Path) -> N
         torch.testing.assert_close(
             ddp_state["state_dict"][name], tensor, rtol=1e-4, atol=1e-5, msg=name
         )
+    for field, tensors in single_state["pfl"]["client_state"].items():
+        for name, tensor in tensors.items():
+            torch.testing.assert_close(
+                ddp_state["pfl"]["client_state"][field][name], tensor, rtol=1e-4, atol=1e-5
+            )
     assert ddp["val_last"]["acc"] == pytest.approx(single["val_last"]["acc"], abs=1e-6)
     assert ddp["val_last"]["loss"] == pytest.approx(single["val_last"]["loss"], rel=1e-4)
     assert ddp["comm_bytes_up_total"] == single["comm_bytes_up_total"]

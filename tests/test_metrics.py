@@ -34,3 +34,18 @@ def test_clients_without_samples_are_left_out() -> None:
     )
     assert float(metric.compute()["acc"]) == 0.625
     assert torch.isnan(metric.per_client()[1])
+
+
+def test_group_accuracies_cover_only_their_clients() -> None:
+    groups = {"a": torch.tensor([0, 2]), "b": torch.tensor([1])}
+    metric = ClientAccuracy(num_clients=3, groups=groups)
+    metric.update(
+        torch.tensor([0, 1, 2]),
+        torch.tensor([9.0, 1.0, 30.0]),
+        torch.tensor([10.0, 2.0, 40.0]),
+        torch.zeros(3),
+    )
+    out = metric.compute()
+    torch.testing.assert_close(out["a/acc"], torch.tensor((0.9 + 0.75) / 2, dtype=torch.float64))
+    torch.testing.assert_close(out["a/acc_weighted"], torch.tensor(39 / 50, dtype=torch.float64))
+    torch.testing.assert_close(out["b/acc"], torch.tensor(0.5, dtype=torch.float64))

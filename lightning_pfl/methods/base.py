@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import vmap
 
 from lightning_pfl.datamodule import FederatedDataModule, Split
@@ -102,6 +102,9 @@ class FederatedMethod(LightningModule, ABC):
                 build_network(net, input_shape, num_classes, **(net_args or {}))
             )
         self.store = ClientStateStore(num_clients)
+        # Lightning's DDP wrapper refuses modules without trainable parameters (Local,
+        # FedSimSup keep everything in the client store); this empty one never trains.
+        self.ddp_anchor = nn.Parameter(torch.zeros(0))
         self.val_metric = ClientAccuracy(num_clients)
         self.test_metric = ClientAccuracy(num_clients)
         self.comm_bytes_total: Tensor
@@ -128,6 +131,10 @@ class FederatedMethod(LightningModule, ABC):
     def predict(self, params: Params, x: Tensor) -> Tensor:
         """Logits of one client's personalized model (vmapped over clients in evaluation)."""
         return self.arch(params, x)
+
+    def client_groups(self) -> dict[str, Tensor]:
+        """Named groups of client ids whose accuracy is also reported separately (default none)."""
+        return {}
 
     # ----------------------------------------------------------------- helpers for methods
     @property
@@ -157,6 +164,26 @@ class FederatedMethod(LightningModule, ABC):
         h = self.hp
         return SGDConfig(h.local_lr, h.local_momentum, h.local_weight_decay, h.local_max_grad_norm)
 
+    def draw_batches(
+        self, clients: Tensor, round_idx: int, epochs: int | None = None, phase: int = 0
+    ) -> ClientBatches:
+        """This round's local-training batches of ``clients`` (seeded by round and ``phase``).
+
+        ``epochs`` overrides the method's ``local_epochs``/``local_steps``; a method that trains
+        in several phases per round gives each its own ``phase`` so they draw different batches.
+        """
+        h = self.hp
+        keys = (h.seed, round_idx, BATCH_STREAM) + ((phase,) if phase else ())
+        generator = torch.Generator(self.data.device).manual_seed(derive_seed(*keys))
+        epochs = epochs if epochs is not None else h.local_epochs
+        return self.data.client_batches(
+            clients,
+            h.batch_size,
+            generator,
+            steps=None if epochs is not None else h.local_steps,
+            epochs=epochs,
+        )
+
     def local_train(
         self,
         params: Params,
@@ -166,19 +193,14 @@ class FederatedMethod(LightningModule, ABC):
         loss_fn: LossFn | None = None,
         frozen: Params | None = None,
         momentum: Params | None = None,
+        batches: ClientBatches | None = None,
     ) -> TrainResult:
-        """Train ``params`` (stacked over ``clients``) on the clients' own training data."""
+        """Train ``params`` (stacked over ``clients``) on the clients' own training data.
+
+        ``batches`` defaults to :meth:`draw_batches` of ``clients`` for ``round_idx``.
+        """
         h = self.hp
-        generator = torch.Generator(self.data.device).manual_seed(
-            derive_seed(h.seed, round_idx, BATCH_STREAM)
-        )
-        batches = self.data.client_batches(
-            clients,
-            h.batch_size,
-            generator,
-            steps=None if h.local_epochs else h.local_steps,
-            epochs=h.local_epochs,
-        )
+        batches = batches if batches is not None else self.draw_batches(clients, round_idx)
         groups = groups or [ParamGroup(tuple(params), self.local_sgd())]
         loss_fn = loss_fn or cross_entropy_loss(self.arch)
         world = self.trainer.world_size if self._trainer is not None else 1
@@ -265,6 +287,7 @@ class FederatedMethod(LightningModule, ABC):
 
     def _place_state(self) -> None:
         self.store.to(self.device, offload=self.hp.offload_client_state)
+        self.val_metric.groups = self.test_metric.groups = self.client_groups()
 
     def on_fit_start(self) -> None:
         self._place_state()
@@ -342,7 +365,7 @@ class FederatedMethod(LightningModule, ABC):
         self.test_metric.update(batch, *self.evaluate(batch, "test"))
 
     def _evaluate_all(self, split: Split) -> dict[str, float]:
-        metric = ClientAccuracy(self.hp.num_clients).to(self.device)
+        metric = ClientAccuracy(self.hp.num_clients, self.client_groups()).to(self.device)
         for chunk in self.data.client_chunks():
             chunk = chunk.to(self.device)
             metric.update(chunk, *self.evaluate(chunk, split))

@@ -1,0 +1,290 @@
+"""FedSimSup: a local supervisor beside each personalized model, similarity-weighted mixing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_pfl.datamodule import Split
+from lightning_pfl.engine import Architecture, LossFn, Params
+from lightning_pfl.methods.base import INIT_STREAM, FederatedMethod
+from lightning_pfl.models import build_network
+from lightning_pfl.partition import largest_remainder
+
+Aggregation = Literal["similarity", "uniform", "none"]
+DEFAULT_SUPERVISORS = {"lenet": {"net": "lenet5", "net_args": {"width": 0.4}}}
+
+
+def mix_non_participants(
+    own: Params,
+    trained: Params,
+    own_labels: Tensor,
+    trained_labels: Tensor,
+    self_weight: float,
+    aggregation: Aggregation = "similarity",
+) -> Params:
+    """theta_i <- a_i theta_i + (1 - a_i) sum_j (s_ij / sum_j s_ij) theta_j for each client i.
+
+    Args:
+        own: the models theta_i of the clients that did not take part, ``[I, ...]``.
+        trained: this round's trained models theta_j of the participants, ``[J, ...]``.
+        own_labels: label counts of the clients i, ``[I, num_classes]`` (m_i = row sum).
+        trained_labels: label counts of the participants j, ``[J, num_classes]``.
+        self_weight: K in a_i = K m_i / (sum_j m_j + K m_i).
+        aggregation: ``similarity``: s_ij = cosine similarity of the label counts;
+            ``uniform``: s_ij = 1.
+
+    A client whose labels share no class with any participant (sum_j s_ij = 0) keeps theta_i.
+    """
+    own_labels, trained_labels = own_labels.double(), trained_labels.double()
+    m_i, m_j = own_labels.sum(1), trained_labels.sum(1)
+    a = self_weight * m_i / (m_j.sum() + self_weight * m_i)
+    if aggregation == "similarity":
+        s = F.normalize(own_labels, dim=1) @ F.normalize(trained_labels, dim=1).T
+    else:
+        s = torch.ones(len(own_labels), len(trained_labels), dtype=torch.float64)
+    s = s.to(own_labels.device)
+    total = s.sum(1, keepdim=True)
+    weights = s / total.clamp_min(1e-300)
+    a = torch.where(total[:, 0] > 0, a, torch.ones_like(a)).view(-1, 1)
+    mixed = {}
+    for name, theta in own.items():
+        others = trained[name].flatten(1).to(weights)
+        update = a * theta.flatten(1).to(weights) + (1 - a) * (weights @ others)
+        mixed[name] = update.view_as(theta).to(theta.dtype)
+    return mixed
+
+
+class FedSimSup(FederatedMethod):
+    """FedSimSup: personalized model theta_i (kept by the server) plus local supervisor s_i.
+
+    A client predicts with the sum of both models' logits. Round: each sampled client trains
+    s_i for tau_s epochs with theta_i frozen, then theta_i for tau_theta epochs with s_i frozen
+    (on the summed-logits cross-entropy, fresh SGD per phase), keeps s_i and uploads theta_i.
+    The server keeps the participants' theta as trained and moves every other client toward
+    them: theta_i <- a_i theta_i + (1 - a_i) sum_j (s_ij / sum_j s_ij) theta_j with
+    a_i = K m_i / (sum_j m_j + K m_i), m the training-sample counts and s_ij the cosine
+    similarity of the label counts of clients i and j (see :func:`mix_non_participants`).
+
+    Supervisor types are assigned to clients once, from the seed, in exact proportions; clients
+    of one type train together (one vmap per type) and the accuracy of each type's clients is
+    reported under ``<split>/supervisor_<type>/acc`` and ``acc_weighted``.
+
+    Args:
+        supervisors: supervisor types by name: ``{"net": registry name, "net_args": {...},
+            "share": proportion}`` (default: LeNet-5 at width 0.4, about 1/6 of LeNet-5).
+        supervisor_epochs: tau_s, local epochs of the supervisor per round (paper: 2).
+        model_epochs: tau_theta, local epochs of the personalized model per round (paper: 3).
+        aggregation: ``similarity`` (paper), ``uniform`` (s_ij = 1, the Figure 3 ablation
+            without similarity) or ``none`` (non-participants keep their theta).
+        self_weight: K of a_i; None: the number of clients in the round (our reading; the paper
+            does not define K).
+        net: the personalized model (paper: LeNet-5).
+        local_lr: SGD learning rate of both phases (paper: 0.1).
+        local_momentum: SGD momentum (paper: plain SGD).
+        local_weight_decay: SGD weight decay (paper: none).
+        local_max_grad_norm: gradient clip (paper: none).
+        batch_size: local batch size (paper: 32).
+        local_epochs: unused; must stay None (set ``supervisor_epochs`` and ``model_epochs``).
+        **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod` (``local_steps`` is
+            unused; paper participation: ``clients_per_round`` = 10% of the clients).
+    """
+
+    def __init__(
+        self,
+        supervisors: dict[str, dict[str, Any]] | None = None,
+        supervisor_epochs: int = 2,
+        model_epochs: int = 3,
+        aggregation: Aggregation = "similarity",
+        self_weight: float | None = None,
+        net: str = "lenet5",
+        local_lr: float = 0.1,
+        local_momentum: float = 0.0,
+        local_weight_decay: float = 0.0,
+        local_max_grad_norm: float | None = None,
+        batch_size: int = 32,
+        local_epochs: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if local_epochs is not None:
+            raise ValueError(
+                "FedSimSup trains supervisor_epochs (tau_s) then model_epochs (tau_theta) epochs "
+                "per round; remove local_epochs and set those two instead."
+            )
+        if min(supervisor_epochs, model_epochs) < 0:
+            raise ValueError("supervisor_epochs and model_epochs must be >= 0")
+        super().__init__(
+            net=net,
+            local_lr=local_lr,
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            batch_size=batch_size,
+            **kwargs,
+        )
+        h = self.hp
+        specs = supervisors or DEFAULT_SUPERVISORS
+        self.kind_of = self._assign_types(specs, h.num_clients, h.seed)
+        self.store.add_field("theta", self.arch.initial_params())
+        self.supervisor_archs: dict[str, Architecture] = {}
+        self.row_of = torch.zeros(h.num_clients, dtype=torch.int64)  # row in its type's field
+        with self.seeded_init():
+            for t, (kind, spec) in enumerate(specs.items()):
+                net_args = spec.get("net_args") or {}
+                module = build_network(spec["net"], h.input_shape, h.num_classes, **net_args)
+                arch = self.supervisor_archs[kind] = Architecture(module)
+                members = (self.kind_of == t).nonzero()[:, 0]
+                self.row_of[members] = torch.arange(len(members))
+                self.store.add_field(f"supervisor.{kind}", arch.initial_params(), len(members))
+        self.kinds = list(specs)
+
+    @staticmethod
+    def _assign_types(specs: dict[str, dict[str, Any]], num_clients: int, seed: int) -> Tensor:
+        for kind, spec in specs.items():
+            unknown = set(spec) - {"net", "net_args", "share"}
+            if "." in kind or "net" not in spec or unknown:
+                raise ValueError(
+                    f"supervisor '{kind}': give a name without dots and a dict with 'net' and "
+                    f"optionally 'net_args' and 'share' (unknown keys: {sorted(unknown)})."
+                )
+        shares = np.array([float(spec.get("share", 1.0)) for spec in specs.values()])
+        if (shares < 0).any() or shares.sum() <= 0:
+            raise ValueError(f"supervisor shares must be >= 0 with a positive sum, got {shares}")
+        rng = np.random.default_rng([seed, INIT_STREAM, 7])
+        counts = largest_remainder(num_clients, shares / shares.sum(), rng)
+        kinds = np.repeat(np.arange(len(shares)), counts)
+        return torch.from_numpy(rng.permutation(kinds))
+
+    # ----------------------------------------------------------------- grouping by type
+    def _by_kind(self, clients: Tensor) -> Iterator[tuple[str, Tensor]]:
+        """(type, positions in ``clients``) for each supervisor type among ``clients``."""
+        kinds = self.kind_of[clients.cpu()]
+        for t, kind in enumerate(self.kinds):
+            rows = (kinds == t).nonzero()[:, 0]
+            if len(rows):
+                yield kind, rows.to(clients.device)
+
+    def client_groups(self) -> dict[str, Tensor]:
+        return {
+            f"supervisor_{kind}": (self.kind_of == t).nonzero()[:, 0]
+            for t, kind in enumerate(self.kinds)
+        }
+
+    def joint_loss(self, kind: str) -> LossFn:
+        """Cross-entropy of the summed logits q_theta(x) + q_s(x) of a type-``kind`` client."""
+        supervisor = self.supervisor_archs[kind]
+
+        def loss(params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+            logits = self.predict({**params, **frozen}, x, supervisor)
+            per_sample = F.cross_entropy(logits.float(), y, reduction="none")
+            return (per_sample * w).sum() / w.sum().clamp_min(1.0)
+
+        return loss
+
+    def predict(self, params: Params, x: Tensor, supervisor: Architecture | None = None) -> Tensor:
+        if supervisor is None:  # evaluation: keys "sup.<type>.<name>" name the type
+            kind = next(n.split(".")[1] for n in params if n.startswith("sup."))
+            supervisor = self.supervisor_archs[kind]
+        theta = {n[6:]: t for n, t in params.items() if n.startswith("theta.")}
+        sup = {n.split(".", 2)[2]: t for n, t in params.items() if n.startswith("sup.")}
+        return self.arch(theta, x) + supervisor(sup, x)
+
+    # ----------------------------------------------------------------- the round
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        h = self.hp
+        theta = self.store.gather("theta", clients, self.device)
+        supervisor_batches = self.draw_batches(clients, round_idx, h.supervisor_epochs, phase=1)
+        model_batches = self.draw_batches(clients, round_idx, h.model_epochs, phase=2)
+        trained = {n: t.clone() for n, t in theta.items()}
+        loss_sum = torch.zeros(len(clients), device=self.device)
+        steps = torch.zeros_like(loss_sum)
+        for kind, rows in self._by_kind(clients):
+            members, field = clients[rows], f"supervisor.{kind}"
+            loss_fn = self.joint_loss(kind)
+            model = {f"theta.{n}": t[rows] for n, t in theta.items()}
+            sup = {f"sup.{kind}.{n}": t for n, t in self._gather_supervisors(kind, members).items()}
+            for phase, batches in ((sup, supervisor_batches), (model, model_batches)):
+                frozen = model if phase is sup else sup
+                result = self.local_train(
+                    {n: t.clone() for n, t in phase.items()},
+                    members,
+                    round_idx,
+                    loss_fn=loss_fn,
+                    frozen=frozen,
+                    batches=batches.select(rows),
+                )
+                phase.update(result.params)
+                loss_sum[rows] += result.loss * result.steps
+                steps[rows] += result.steps
+            prefix = len(f"sup.{kind}.")
+            self.store.scatter(
+                field, self.row_of[members.cpu()], {n[prefix:]: t for n, t in sup.items()}
+            )
+            for n in trained:
+                trained[n][rows] = model[f"theta.{n}"]
+        self.store.scatter("theta", clients, trained)
+        if h.aggregation != "none":
+            self._mix_others(clients, trained)
+        self.record_communication(down=theta, up=trained)
+        return loss_sum / steps.clamp_min(1)
+
+    def _gather_supervisors(self, kind: str, clients: Tensor) -> Params:
+        return self.store.gather(f"supervisor.{kind}", self.row_of[clients.cpu()], self.device)
+
+    def _mix_others(self, clients: Tensor, trained: Params) -> None:
+        h = self.hp
+        labels = torch.as_tensor(self.data.partition_counts()["train"])
+        others = torch.ones(h.num_clients, dtype=torch.bool)
+        others[clients.cpu()] = False
+        if not others.any():
+            return
+        ids = others.nonzero()[:, 0]
+        store_device = self.store.device
+        mixed = mix_non_participants(
+            self.store.gather("theta", ids, store_device),
+            {n: t.to(store_device) for n, t in trained.items()},
+            labels[ids].to(store_device),
+            labels[clients.cpu()].to(store_device),
+            float(h.self_weight if h.self_weight is not None else len(clients)),
+            h.aggregation,
+        )
+        self.store.scatter("theta", ids, mixed)
+
+    # ----------------------------------------------------------------- evaluation
+    def personalized_params(self, clients: Tensor) -> Params:
+        kinds = list(self._by_kind(clients))
+        if len(kinds) != 1:
+            raise ValueError("personalized_params takes clients of one supervisor type")
+        kind = kinds[0][0]
+        theta = self.store.gather("theta", clients, self.device)
+        sup = self._gather_supervisors(kind, clients)
+        return {f"theta.{n}": t for n, t in theta.items()} | {
+            f"sup.{kind}.{n}": t for n, t in sup.items()
+        }
+
+    @torch.no_grad()
+    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
+        """As the base class, one supervisor type at a time (their architectures differ)."""
+        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
+        for _, rows in self._by_kind(clients):
+            for total, part in zip(out, super().evaluate(clients[rows], split), strict=True):
+                total[rows] = part
+        return out  # type: ignore[return-value]
+
+    def results(self) -> dict[str, Any]:
+        sizes = {
+            kind: sum(int(np.prod(s)) for s in arch.shapes.values())
+            for kind, arch in self.supervisor_archs.items()
+        }
+        model_size = sum(int(np.prod(s)) for s in self.arch.shapes.values())
+        counts = {kind: int((self.kind_of == t).sum()) for t, kind in enumerate(self.kinds)}
+        return super().results() | {
+            "model_parameters": model_size,
+            "supervisor_parameters": sizes,
+            "supervisor_clients": counts,
+        }
