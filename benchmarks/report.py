@@ -14,15 +14,16 @@ from typing import Any
 def accuracy_table(result: dict[str, Any]) -> str:
     lines = [
         "| split | method | rounds | best round | test acc @ best val (mean over clients) "
-        "| weighted | test acc @ last round | s/round |",
-        "|---|---|---|---|---|---|---|---|",
+        "| weighted | test acc @ last round | s/round | commit |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        commit = r.get("commit", result["environment"]["commit"])[:7]
         lines.append(
             f"| {r['split']} | {r['method']} | {r['rounds']} | {r['best_round']} "
             f"| {100 * r['test_acc_at_best_val']:.2f}% "
             f"| {100 * r['test_acc_weighted_at_best_val']:.2f}% "
-            f"| {100 * r['test_acc_last']:.2f}% | {r['seconds_per_round']:.3f} |"
+            f"| {100 * r['test_acc_last']:.2f}% | {r['seconds_per_round']:.3f} | {commit} |"
         )
     return "\n".join(lines)
 
@@ -57,7 +58,7 @@ def main() -> None:
             result = json.load(f)
         env = result["environment"]
         print(
-            f"### `{path}` (commit {env['commit'][:7]}, {env['date']}, "
+            f"### `{path}` (last run: commit {env['commit'][:7]}, {env['date']}, "
             f"{env['device']}, torch {env['torch']})\n"
         )
         print(speed_table(result) if result["benchmark"] == "speed" else accuracy_table(result))
