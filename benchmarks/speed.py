@@ -6,6 +6,8 @@ of batch ``--batch`` per client, for each clients-per-round value, in ``32-true`
 evaluation excluded), after one warm-up round. Prints a table and writes JSON with seconds per
 round, client updates (client-steps) per second, achieved FLOP/s and peak device memory.
 
+``--paths`` also takes ``sequential-compiled`` and ``vectorized-compiled`` (``compile_step``;
+the first round, which compiles, is reported separately and not in the mean).
 ``--total-clients`` adds the cost curve over the total number of clients at a fixed
 ``--curve-clients-per-round``: per-client state grows, the round's work must not.
 
@@ -44,8 +46,11 @@ def flops_per_client_step(batch: int) -> int:
     return int(counter.get_total_flops())
 
 
+PATHS = ("sequential", "vectorized", "sequential-compiled", "vectorized-compiled")
+
+
 def build(
-    method: str, num_clients: int, clients_per_round: int, args: argparse.Namespace, vectorize: bool
+    method: str, num_clients: int, clients_per_round: int, args: argparse.Namespace, path: str
 ) -> FederatedMethod:
     # 80 random images per client, 64 of them for training: every client has one full batch,
     # so the work per client is the same at every total number of clients.
@@ -69,7 +74,8 @@ def build(
         clients_per_round=clients_per_round,
         local_steps=args.steps,
         batch_size=args.batch,
-        vectorize=vectorize,
+        vectorize=path.startswith("vectorized"),
+        compile_step=path.endswith("-compiled"),
         offload_client_state=args.device == "cuda",
     )
     model.attach_data(data)
@@ -78,7 +84,10 @@ def build(
     return model
 
 
-def time_rounds(model: FederatedMethod, rounds: int, precision: str, device: str) -> float:
+def time_rounds(
+    model: FederatedMethod, rounds: int, precision: str, device: str
+) -> tuple[float, float]:
+    """Seconds of the first round (warm-up, compilation) and mean seconds of the next ones."""
     optimizer = model.configure_optimizers()
     autocast = (
         torch.autocast(device_type=device, dtype=torch.bfloat16)
@@ -92,13 +101,15 @@ def time_rounds(model: FederatedMethod, rounds: int, precision: str, device: str
             model.run_round(r, model.sample_clients(r))
         optimizer.step()
 
-    one_round(0)  # warm-up (allocations, kernels)
+    start = time.perf_counter()
+    one_round(0)  # warm-up (allocations, kernels, compilation)
     _sync(device)
+    first = time.perf_counter() - start
     start = time.perf_counter()
     for r in range(1, rounds + 1):
         one_round(r)
     _sync(device)
-    return (time.perf_counter() - start) / rounds
+    return first, (time.perf_counter() - start) / rounds
 
 
 def _sync(device: str) -> None:
@@ -111,24 +122,25 @@ def measure(
     num_clients: int,
     cpr: int,
     args: argparse.Namespace,
-    vectorize: bool,
+    path: str,
     precision: str,
     step_flops: int,
 ) -> dict[str, Any]:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = build(method, num_clients, cpr, args, vectorize)
-    seconds = time_rounds(model, args.rounds, precision, args.device)
+    model = build(method, num_clients, cpr, args, path)
+    first_round, seconds = time_rounds(model, args.rounds, precision, args.device)
     client_steps = cpr * args.steps
     row = {
         "method": method,
         "num_clients": num_clients,
         "clients_per_round": cpr,
-        "path": "vectorized" if vectorize else "sequential",
+        "path": path,
         "precision": precision,
         "local_steps": args.steps,
         "batch_size": args.batch,
         "seconds_per_round": seconds,
+        "first_round_seconds": first_round,
         "client_updates_per_second": client_steps / seconds,
         "achieved_tflops": step_flops * client_steps / seconds / 1e12,
         "peak_device_memory_mb": torch.cuda.max_memory_allocated() / 2**20
@@ -137,7 +149,7 @@ def measure(
         "client_state_mb": model.store.nbytes() / 2**20,
     }
     print(
-        f"{method:<7} n={num_clients:<6} C={cpr:<4} {row['path']:<10} {precision:<10} "
+        f"{method:<7} n={num_clients:<6} C={cpr:<4} {path:<19} {precision:<10} "
         f"{seconds:8.4f} s/round {row['client_updates_per_second']:9.1f} upd/s "
         f"{row['achieved_tflops']:7.3f} TFLOP/s",
         flush=True,
@@ -159,7 +171,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
-    parser.add_argument("--paths", nargs="+", default=["sequential", "vectorized"])
+    parser.add_argument("--paths", nargs="+", default=["sequential", "vectorized"], choices=PATHS)
     parser.add_argument("--total-clients", type=int, nargs="*", default=[100, 1000, 10000])
     parser.add_argument("--curve-clients-per-round", type=int, default=10)
     parser.add_argument("--out", required=True)
@@ -178,7 +190,7 @@ def main() -> None:
                             args.num_clients,
                             cpr,
                             args,
-                            path == "vectorized",
+                            path,
                             precision,
                             step_flops,
                         )
@@ -188,7 +200,13 @@ def main() -> None:
         for total in args.total_clients:
             curve.append(
                 measure(
-                    method, total, args.curve_clients_per_round, args, True, "32-true", step_flops
+                    method,
+                    total,
+                    args.curve_clients_per_round,
+                    args,
+                    "vectorized",
+                    "32-true",
+                    step_flops,
                 )
             )
     result = {

@@ -142,6 +142,7 @@ def train_clients(
     frozen: Params | None = None,
     momentum: Params | None = None,
     vectorize: bool = True,
+    compile_step: bool = False,
 ) -> TrainResult:
     """Run local SGD for every client of the round.
 
@@ -154,6 +155,9 @@ def train_clients(
         frozen: per-client tensors the loss reads but does not train, stacked ``[C, ...]``.
         momentum: initial momentum buffers (zeros = a fresh optimizer), stacked like params.
         vectorize: train all clients at once with ``vmap`` (else one by one, same math).
+        compile_step: run the step (vmapped or per client) through ``torch.compile``. The
+            first round compiles (tens of seconds); later rounds reuse it as long as
+            ``loss_fn`` is the same object.
     """
     frozen = frozen or {}
     momentum = (
@@ -176,6 +180,11 @@ def train_clients(
 
     num_clients, num_steps = batches.active.shape
     batched_step = vmap(step) if vectorize else None
+    if compile_step:
+        if batched_step is not None:
+            batched_step = torch.compile(batched_step, dynamic=False)
+        else:
+            step = torch.compile(step, dynamic=False)
     loss_sum = torch.zeros(num_clients, device=batches.weight.device)
     for s in range(num_steps):
         x, y = fetch(batches.index[:, s])

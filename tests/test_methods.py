@@ -1,7 +1,10 @@
+import os
+import shutil
 from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, PFedHNPC
@@ -103,3 +106,24 @@ def test_round_client_sample_is_seeded_per_round() -> None:
     method = build(FedAvg, digits_data(6), clients_per_round=2)
     assert torch.equal(method.sample_clients(7), method.sample_clients(7))
     assert len({tuple(method.sample_clients(r).tolist()) for r in range(20)}) > 3
+
+
+@pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None,
+    reason="torch.compile's CPU backend needs a C++ compiler",
+)
+def test_compiled_step_matches_eager_and_compiles_once() -> None:
+    stores = []
+    for compile_step in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        dm = digits_data(6)
+        method = build(
+            Local, dm, net="mlp", clients_per_round=3, vectorize=True, compile_step=compile_step
+        )
+        fit(method, dm, rounds=3)
+        stores.append(method.store.state_dict())
+    assert counters["stats"]["unique_graphs"] == 1  # compiled in round 0, reused after
+    for field, tensors in stores[0].items():
+        for name, tensor in tensors.items():
+            torch.testing.assert_close(stores[1][field][name], tensor, rtol=1e-4, atol=1e-5)

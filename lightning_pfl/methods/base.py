@@ -62,7 +62,9 @@ class FederatedMethod(LightningModule, ABC):
         local_momentum: client SGD momentum.
         local_weight_decay: client SGD weight decay.
         local_max_grad_norm: per-client gradient-norm clip of local steps (None: off).
-        vectorize: train the round's clients together with vmap (False: one by one).
+        vectorize: train the round's clients together with vmap (False: one by one; ``auto``:
+            vmap on accelerators, one by one on CPU, where vmapped convolutions are slower).
+        compile_step: compile the local SGD step with ``torch.compile`` (first round slower).
         eval_batch_size: samples per client per evaluation block.
         select_metric: validation metric that picks the best round.
         offload_client_state: keep per-client state in pinned CPU memory.
@@ -84,7 +86,8 @@ class FederatedMethod(LightningModule, ABC):
         local_momentum: float = 0.9,
         local_weight_decay: float = 5e-5,
         local_max_grad_norm: float | None = 50.0,
-        vectorize: bool = True,
+        vectorize: bool | Literal["auto"] = "auto",
+        compile_step: bool = False,
         eval_batch_size: int = 512,
         select_metric: Literal["acc", "acc_weighted"] = "acc",
         offload_client_state: bool = False,
@@ -102,6 +105,7 @@ class FederatedMethod(LightningModule, ABC):
                 build_network(net, input_shape, num_classes, **(net_args or {}))
             )
         self.store = ClientStateStore(num_clients)
+        self.cross_entropy = cross_entropy_loss(self.arch)  # one object: a compiled step reuses it
         # Lightning's DDP wrapper refuses modules without trainable parameters (Local,
         # FedSimSup keep everything in the client store); this empty one never trains.
         self.ddp_anchor = nn.Parameter(torch.zeros(0))
@@ -202,11 +206,19 @@ class FederatedMethod(LightningModule, ABC):
         h = self.hp
         batches = batches if batches is not None else self.draw_batches(clients, round_idx)
         groups = groups or [ParamGroup(tuple(params), self.local_sgd())]
-        loss_fn = loss_fn or cross_entropy_loss(self.arch)
+        loss_fn = loss_fn or self.cross_entropy
         world = self.trainer.world_size if self._trainer is not None else 1
         if world == 1:
             return train_clients(
-                loss_fn, params, groups, batches, self.data.fetch, frozen, momentum, h.vectorize
+                loss_fn,
+                params,
+                groups,
+                batches,
+                self.data.fetch,
+                frozen,
+                momentum,
+                self.vectorized,
+                h.compile_step,
             )
         return self._train_across_ranks(
             world, loss_fn, params, groups, batches, frozen or {}, momentum
@@ -248,7 +260,8 @@ class FederatedMethod(LightningModule, ABC):
             self.data.fetch,
             take(frozen),
             take(momentum) if momentum is not None else None,
-            self.hp.vectorize,
+            self.vectorized,
+            self.hp.compile_step,
         )
 
         def gather(tensors: Params) -> Params:
@@ -259,6 +272,13 @@ class FederatedMethod(LightningModule, ABC):
         return TrainResult(
             gather(local.params), gather(local.momentum), merged["loss"], merged["steps"]
         )
+
+    @property
+    def vectorized(self) -> bool:
+        """Whether clients train together with vmap (``vectorize``, with ``auto`` resolved)."""
+        if self.hp.vectorize == "auto":
+            return self.device.type != "cpu"
+        return bool(self.hp.vectorize)
 
     def client_weights(self, clients: Tensor) -> Tensor:
         """Training-sample counts of ``clients`` normalized to sum to one."""

@@ -142,6 +142,7 @@ class FedSimSup(FederatedMethod):
                 self.row_of[members] = torch.arange(len(members))
                 self.store.add_field(f"supervisor.{kind}", arch.initial_params(), len(members))
         self.kinds = list(specs)
+        self.joint_losses = {kind: self.joint_loss(kind) for kind in self.kinds}
 
     @staticmethod
     def _assign_types(specs: dict[str, dict[str, Any]], num_clients: int, seed: int) -> Tensor:
@@ -205,7 +206,7 @@ class FedSimSup(FederatedMethod):
         steps = torch.zeros_like(loss_sum)
         for kind, rows in self._by_kind(clients):
             members, field = clients[rows], f"supervisor.{kind}"
-            loss_fn = self.joint_loss(kind)
+            loss_fn = self.joint_losses[kind]
             model = {f"theta.{n}": t[rows] for n, t in theta.items()}
             sup = {f"sup.{kind}.{n}": t for n, t in self._gather_supervisors(kind, members).items()}
             for phase, batches in ((sup, supervisor_batches), (model, model_batches)):
