@@ -41,7 +41,7 @@ def test_fit_then_test_through_the_cli(config: Path, tmp_path: Path, fake_data_r
             assert 0 <= fitted["test_last"][f"supervisor_{kind}/acc"] <= 1
 
 
-@pytest.mark.parametrize("method", ["fedavg", "pfedhn_pc"])
+@pytest.mark.parametrize("method", ["fedavg", "pfedhn_pc", "fedsimsup"])
 def test_resume_reaches_the_state_of_an_uninterrupted_run(method: str, tmp_path: Path) -> None:
     config = Path(__file__).parent / "conf" / f"{method}.yaml"
     straight = cli(
