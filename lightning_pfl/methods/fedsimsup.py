@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -47,8 +48,7 @@ def mix_non_participants(
     if aggregation == "similarity":
         s = F.normalize(own_labels, dim=1) @ F.normalize(trained_labels, dim=1).T
     else:
-        s = torch.ones(len(own_labels), len(trained_labels), dtype=torch.float64)
-    s = s.to(own_labels.device)
+        s = own_labels.new_ones(len(own_labels), len(trained_labels))
     total = s.sum(1, keepdim=True)
     weights = s / total.clamp_min(1e-300)
     a = torch.where(total[:, 0] > 0, a, torch.ones_like(a)).view(-1, 1)
@@ -278,14 +278,11 @@ class FedSimSup(FederatedMethod):
         return out  # type: ignore[return-value]
 
     def results(self) -> dict[str, Any]:
-        sizes = {
-            kind: sum(int(np.prod(s)) for s in arch.shapes.values())
-            for kind, arch in self.supervisor_archs.items()
-        }
-        model_size = sum(int(np.prod(s)) for s in self.arch.shapes.values())
-        counts = {kind: int((self.kind_of == t).sum()) for t, kind in enumerate(self.kinds)}
+        def size(arch: Architecture) -> int:
+            return sum(math.prod(shape) for shape in arch.shapes.values())
+
         return super().results() | {
-            "model_parameters": model_size,
-            "supervisor_parameters": sizes,
-            "supervisor_clients": counts,
+            "model_parameters": size(self.arch),
+            "supervisor_parameters": {k: size(a) for k, a in self.supervisor_archs.items()},
+            "supervisor_clients": {k: len(ids) for k, ids in self.client_groups().items()},
         }
