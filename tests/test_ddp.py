@@ -21,7 +21,6 @@ def fit(config: Path, save_dir: Path, *extra: str) -> tuple[dict, dict]:  # type
         f"--trainer.logger.init_args.save_dir={save_dir}",
         "--trainer.enable_progress_bar=false",
         "--model.init_args.clients_per_round=3",
-        "--model.init_args.vectorize=true",  # the GPU default; "auto" would loop on CPU
         "--trainer.max_steps=3",
         "--trainer.val_check_interval=3",
         "--test_after_fit=false",
