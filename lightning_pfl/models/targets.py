@@ -17,7 +17,8 @@ class CNNTarget(nn.Module):
     conv(in -> k, 5x5) ReLU maxpool2, conv(k -> 2k, 5x5) ReLU maxpool2, fc -> h1 ReLU,
     fc h1 -> h2 ReLU, fc h2 -> C. ``n_kernels`` is k (16 in the paper; 8/16/32 for its S/M/L
     budget study); ``hidden`` is (h1, h2): (120, 84) for pFedHN, (1920, 80) for pFedKT's Table 2
-    CNN. Works for any square input of at least 16 pixels.
+    CNN. ``channels`` overrides (k, 2k) and ``padding`` pads the first conv (see
+    :class:`LeNet5`). Works for any square input of at least 16 pixels (less with padding).
     """
 
     def __init__(
@@ -27,14 +28,21 @@ class CNNTarget(nn.Module):
         n_kernels: int = 16,
         input_size: int = 32,
         hidden: tuple[int, int] = (120, 84),
+        channels: tuple[int, int] | None = None,
+        padding: int = 0,
     ) -> None:
         super().__init__()
-        side = ((input_size - 4) // 2 - 4) // 2
+        c1, c2 = channels or (n_kernels, 2 * n_kernels)
+        side = ((input_size + 2 * padding - 4) // 2 - 4) // 2
         if side < 1:
-            raise ValueError(f"CNNTarget needs inputs of at least 16 pixels, got {input_size}.")
-        self.conv1 = nn.Conv2d(in_channels, n_kernels, 5)
-        self.conv2 = nn.Conv2d(n_kernels, 2 * n_kernels, 5)
-        self.fc1 = nn.Linear(2 * n_kernels * side * side, hidden[0])
+            smallest = 16 - 2 * padding
+            raise ValueError(
+                f"{type(self).__name__} needs inputs of at least {smallest} pixels, "
+                f"got {input_size}."
+            )
+        self.conv1 = nn.Conv2d(in_channels, c1, 5, padding=padding)
+        self.conv2 = nn.Conv2d(c1, c2, 5)
+        self.fc1 = nn.Linear(c2 * side * side, hidden[0])
         self.fc2 = nn.Linear(hidden[0], hidden[1])
         self.fc3 = nn.Linear(hidden[1], num_classes)
 
@@ -80,7 +88,7 @@ class DigitsCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-class LeNet5(nn.Module):
+class LeNet5(CNNTarget):
     """LeNet-5: conv 5x5 (6) pool, conv 5x5 (16) pool, fc 120 -> 84 -> C, ReLU activations.
 
     ``width`` scales every channel and hidden size (rounded, at least 1): 1.0 is LeNet-5
@@ -91,24 +99,15 @@ class LeNet5(nn.Module):
     def __init__(
         self, in_channels: int = 3, num_classes: int = 10, input_size: int = 32, width: float = 1.0
     ) -> None:
-        super().__init__()
         c1, c2, h1, h2 = (max(1, round(width * n)) for n in (6, 16, 120, 84))
-        padding = 2 if input_size < 32 else 0
-        side = ((input_size + 2 * padding - 4) // 2 - 4) // 2
-        if side < 1:
-            raise ValueError(f"LeNet5 needs inputs of at least 12 pixels, got {input_size}.")
-        self.conv1 = nn.Conv2d(in_channels, c1, 5, padding=padding)
-        self.conv2 = nn.Conv2d(c1, c2, 5)
-        self.fc1 = nn.Linear(c2 * side * side, h1)
-        self.fc2 = nn.Linear(h1, h2)
-        self.fc3 = nn.Linear(h2, num_classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
+        super().__init__(
+            in_channels,
+            num_classes,
+            input_size=input_size,
+            hidden=(h1, h2),
+            channels=(c1, c2),
+            padding=2 if input_size < 32 else 0,
+        )
 
 
 class SmallCNN(nn.Module):
