@@ -92,8 +92,10 @@ class ClientBatches:
     def select(self, rows: Tensor) -> ClientBatches:
         """The batches of clients ``rows`` only, without the steps none of them takes."""
         active = self.active[rows]
-        steps = int(active.any(0).nonzero().max()) + 1 if bool(active.any()) else 0
-        return ClientBatches(self.index[rows, :steps], self.weight[rows, :steps], active[:, :steps])
+        taken = active.any(0)  # steps where all of these clients idle change nothing
+        return ClientBatches(
+            self.index[rows][:, taken], self.weight[rows][:, taken], active[:, taken]
+        )
 
 
 @dataclass

@@ -150,3 +150,15 @@ def test_accuracy_is_reported_per_supervisor_type() -> None:
     assert sorted(torch.cat(list(groups.values())).tolist()) == list(range(8))
     correct, total, _ = method.evaluate(torch.arange(8), "test")
     assert (total > 0).all() and (correct <= total).all()
+
+
+def test_phases_draw_their_own_batches_and_select_trims_idle_steps() -> None:
+    method = build_simsup(8)
+    clients = torch.tensor([0, 3, 5])
+    first = method.draw_batches(clients, 4, epochs=2, phase=1)
+    assert torch.equal(first.index, method.draw_batches(clients, 4, epochs=2, phase=1).index)
+    assert not torch.equal(first.index, method.draw_batches(clients, 4, epochs=2, phase=2).index)
+    rows = torch.tensor([first.active.sum(1).argmin()])  # the client with the fewest steps
+    subset = first.select(rows)
+    assert subset.active.shape[1] == int(first.active[rows].sum()) and subset.active.all()
+    torch.testing.assert_close(subset.index, first.index[rows][:, first.active[rows][0]])
