@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_pfl.methods as methods_module
@@ -62,32 +63,63 @@ RUNTIME_KEYS = {
 EXPERIMENT_FILE = "experiment.json"
 
 
+def _partitioners() -> list[str]:
+    return [
+        name
+        for name, value in vars(partition_module).items()
+        if isinstance(value, type)
+        and issubclass(value, partition_module.Partitioner)
+        and value is not partition_module.Partitioner
+    ]
+
+
+def _short_error(message: str) -> str:
+    """jsonargparse's nested report reduced to the config key and what is wrong with it."""
+    keys = re.findall(r'Parser key "([\w.]+)"', message)
+    path = ".init_args.".join(keys)
+    unknown_option = re.search(r"Option '([\w.]+)' is not accepted", message)
+    if unknown_option:
+        return f"unknown option {path}.init_args.{unknown_option.group(1)} (see --help)."
+    bad_class = re.search(
+        r"Expected a dot import path string: (\S+)|Import path (\S+) does not correspond", message
+    )
+    if bad_class:
+        value = bad_class.group(1) or bad_class.group(2)
+        choices = {
+            "model": [c for c in methods_module.__all__ if c != "FederatedMethod"],
+            "data": ["FederatedDataModule"],
+            "data.init_args.partition": _partitioners(),
+        }.get(path)
+        listed = f" Choose one of: {', '.join(sorted(choices))}" if choices else ""
+        return (
+            f"unknown class_path '{value}' for {path}.{listed} (or the full import path of "
+            "your own subclass)."
+        )
+    wrong_type = [
+        m
+        for m in re.finditer(r"Expected an? ([^\n]+?)\. Got value: ([^\n]+)", message)
+        if "NoneType" not in m.group(1)
+    ]
+    if wrong_type:
+        return f"{path}: expected {wrong_type[0].group(1)}, got {wrong_type[0].group(2)}."
+    return message
+
+
 class PFLArgumentParser(LightningArgumentParser):
-    """Says which classes exist when a ``class_path`` names none of them."""
+    """Short errors: a one-line usage and the config key with what is wrong with it."""
+
+    def print_usage(self, file: Any = None) -> None:
+        (file or sys.stdout).write(
+            "usage: lightning-pfl {fit,validate,test} --config CONFIG [--section.key VALUE ...]\n"
+        )
+
+    rewrites_errors = False  # set on the CLI's own parsers, not jsonargparse's nested ones
 
     def error(self, message: str, ex: Exception | None = None) -> Any:
-        match = re.search(r'Parser key "([\w.]+)"', message)
-        given = re.search(r"Given value: (\S+)", message)
-        import_failed = "import path" in message.lower() or "Expected a dot import" in message
-        if match and given and import_failed:
-            key, value = match.group(1), given.group(1)
-            choices = {
-                "model": methods_module.__all__,
-                "data": ["FederatedDataModule"],
-                "data.init_args.partition": [
-                    name
-                    for name in dir(partition_module)
-                    if isinstance(getattr(partition_module, name), type)
-                    and issubclass(getattr(partition_module, name), partition_module.Partitioner)
-                    and name != "Partitioner"
-                ],
-            }.get(key.removeprefix("fit.").removeprefix("test.").removeprefix("validate."))
-            if choices is not None:
-                message = (
-                    f"unknown class_path '{value}' for '{key}'. Choose one of: "
-                    f"{', '.join(sorted(c for c in choices if c != 'FederatedMethod'))} "
-                    "(or the full import path of your own subclass)."
-                )
+        # Nested parsers (of a class's arguments) report first, to the outermost parser, whose
+        # message then holds every config key of the path: only it rewrites the report.
+        if self.rewrites_errors:
+            message = _short_error(message)
         return super().error(message, ex)
 
 
@@ -138,7 +170,9 @@ class PFLCLI(LightningCLI):
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         self.parser_class = PFLArgumentParser
-        return super().init_parser(**kwargs)
+        parser = super().init_parser(**kwargs)
+        parser.rewrites_errors = True  # type: ignore[attr-defined]
+        return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         for attribute in ("num_clients", "num_classes", "input_shape"):
@@ -369,15 +403,16 @@ def _default_logger_name(args: list[str]) -> None:
     )
 
 
-def run(args: list[str] | None = None) -> PFLCLI:
-    """Run the CLI with ``args`` (default: ``sys.argv``) and return it (for scripts and tests)."""
+def run(args: list[str] | None = None, callbacks: list[Callback] | None = None) -> PFLCLI:
+    """Run the CLI with ``args`` (default: ``sys.argv``) and return it (for scripts and tests);
+    ``callbacks`` are added to the trainer's."""
     _default_logger_name(list(args if args is not None else sys.argv[1:]))
     return PFLCLI(
         FederatedMethod,
         FederatedDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        trainer_defaults=TRAINER_DEFAULTS,
+        trainer_defaults={**TRAINER_DEFAULTS, **({"callbacks": callbacks} if callbacks else {})},
         save_config_kwargs={"overwrite": True},
         args=args,
         auto_configure_optimizers=False,
@@ -385,15 +420,29 @@ def run(args: list[str] | None = None) -> PFLCLI:
     )
 
 
+def _user_error(error: BaseException) -> PFLError | None:
+    """The PFLError that caused ``error`` (jsonargparse wraps errors raised while building a
+    class in its own ValueError, with the original as its cause), or None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PFLError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def main(args: list[str] | None = None) -> int:
     """Entry point of ``lightning-pfl`` and ``python cli.py``; returns the exit status."""
     try:
         run(args)
-    except PFLError as error:
-        if os.environ.get("PFL_DEBUG") == "1":
+    except Exception as error:
+        found = _user_error(error)
+        if found is None or os.environ.get("PFL_DEBUG") == "1":
             raise
-        sys.stderr.write(f"lightning-pfl: error: {error}\n(set PFL_DEBUG=1 for the traceback)\n")
-        return error.exit_code
+        sys.stderr.write(f"lightning-pfl: error: {found}\n(set PFL_DEBUG=1 for the traceback)\n")
+        return found.exit_code
     return 0
 
 
