@@ -21,9 +21,9 @@ class RoundCheckpoint(ModelCheckpoint):
     """``last.ckpt`` every ``every_n_rounds`` rounds, every ``every_minutes``, at the end, and on
     SIGINT/SIGTERM, written atomically (to a temporary file, then renamed over the old one).
 
-    Checkpoints are taken at a round boundary *after* that round's validation (at the start of
-    the next round), so a resumed run repeats nothing and skips nothing: it reaches exactly the
-    state of an uninterrupted run. The first SIGINT or SIGTERM finishes the current round (and
+    Checkpoints are taken at a round boundary, after that round's validation when it has one,
+    so a resumed run repeats nothing and skips nothing: it reaches exactly the state of an
+    uninterrupted run. The first SIGINT or SIGTERM finishes the current round (and
     its validation), saves ``last.ckpt`` and stops with exit status 130 / 143; a second SIGINT
     stops at once (then the previous checkpoint is the one to resume from). Under DDP the ranks
     agree on stopping at the same round. A crash while saving leaves the previous checkpoint
@@ -62,6 +62,7 @@ class RoundCheckpoint(ModelCheckpoint):
         self.every_seconds = every_minutes * 60 if every_minutes is not None else None
         self._last_save_time = time.monotonic()
         self._signal: int | None = None
+        self._save_after_validation = False
         self._previous_handlers: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ signals
@@ -93,22 +94,38 @@ class RoundCheckpoint(ModelCheckpoint):
         self._restore_handlers()
 
     # ------------------------------------------------------------------ saving
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Save before round ``global_step`` starts: every round before it is complete."""
+        """Save after round ``global_step`` when due, or after its validation if it has one."""
         stop = trainer.strategy.reduce_boolean_decision(self._signal is not None, all=False)
+        if stop and self._signal is None:
+            self._signal = signal.SIGTERM  # another rank received it
         rounds = trainer.global_step
-        due = stop or (self.every_n_rounds > 0 and rounds > 0 and rounds % self.every_n_rounds == 0)
+        due = stop or (self.every_n_rounds > 0 and rounds % self.every_n_rounds == 0)
         if self.every_seconds is not None:
             elapsed = time.monotonic() - self._last_save_time
-            due = due or trainer.strategy.reduce_boolean_decision(
-                elapsed >= self.every_seconds, all=False
+            due = trainer.strategy.reduce_boolean_decision(
+                due or elapsed >= self.every_seconds, all=False
             )
-        if due and self._last_global_step_saved != rounds and rounds > 0:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if not due:
+            return
+        if _validates_after(trainer):
+            # A checkpoint taken before this round's validation would skip it on resume.
+            self._save_after_validation = True
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         if stop:
-            self._signal = self._signal or signal.SIGTERM  # another rank received it
+            raise self.interrupted  # type: ignore[misc]
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)  # last.ckpt after every validation
+        if trainer.sanity_checking or not self._save_after_validation:
+            return
+        self._save_after_validation = False
+        if self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self._signal is not None:
             raise self.interrupted  # type: ignore[misc]
 
     @property
@@ -136,3 +153,13 @@ class RoundCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier()
         self._last_checkpoint_saved = filepath
         self._last_save_time = time.monotonic()
+
+
+def _validates_after(trainer: Trainer) -> bool:
+    """Whether Lightning validates after the current round (our final round always is)."""
+    loop = trainer.fit_loop
+    if not sum(trainer.num_val_batches):  # no validation data: nothing runs after the round
+        return False
+    if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+        return loop.epoch_loop._should_check_val_epoch()
+    return loop.epoch_loop._should_check_val_fx(loop._data_fetcher)  # type: ignore[arg-type]

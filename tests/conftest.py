@@ -43,7 +43,7 @@ def fit(
 ) -> Trainer:
     trainer = Trainer(
         max_steps=rounds,
-        accelerator="cpu",
+        accelerator=trainer_kwargs.pop("accelerator", "cpu"),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
