@@ -1,93 +1,181 @@
-"""Speed benchmark: seconds per round of FedAvg and pFedHN, sequential vs vectorized clients.
+"""Speed benchmark: seconds per round of the engine's paths against a plain PyTorch loop.
 
-The pFedHN CIFAR CNN on random CIFAR-shaped data (``random_cifar10``), ``--steps`` local steps
-of batch ``--batch`` per client, for each clients-per-round value, in ``32-true`` and
-``bf16-mixed``. Rounds are timed by calling the method's round directly (server step included,
-evaluation excluded), after one warm-up round. Prints a table and writes JSON with seconds per
-round, client updates (client-steps) per second, achieved FLOP/s and peak device memory.
+Workloads (``--workload``):
 
-``--paths`` also takes ``sequential-compiled`` and ``vectorized-compiled`` (``compile_step``;
-the first round, which compiles, is reported separately and not in the mean).
-``--total-clients`` adds the cost curve over the total number of clients at a fixed
-``--curve-clients-per-round``: per-client state grows, the round's work must not.
+- ``cifar_cnn``: the pFedHN CIFAR CNN on random CIFAR-shaped images, ``--steps`` local steps of
+  batch ``--batch`` per client (every client holds one batch: the same work per client at any
+  total number of clients).
+- ``lenet5_mnist``: LeNet-5 on random MNIST-shaped (1x28x28) images, one local epoch of
+  ``--batches-per-epoch`` batches of ``--batch`` per client (FedAvg's usual local work).
 
-    python -m benchmarks.speed --device cpu --clients 1 10 50 --steps 10 \
+Paths (``--paths``): ``reference`` is what the popular PFL libraries do: one ``nn.Module``
+per client with ``torch.optim.SGD``, clients one after another (FedAvg only). The engine's
+paths: ``sequential`` (clients one by one, ``vectorize: false``), ``vectorized`` (one vmap),
+each optionally ``-compiled`` (``compile_step``) and/or ``-graphs`` (the whole round's local
+training recorded as one CUDA graph and replayed, ``cuda_graphs``; CUDA only). Every path
+trains the same clients on the same batches. Rounds are timed by calling the method's round
+directly (server step included, evaluation excluded) after one warm-up round, which includes
+compilation and graph recording and is reported apart.
+
+``--e2e`` adds the end-to-end time per round of ``lightning-pfl fit`` itself (Lightning's loop,
+logging and the per-round checks included, validation excluded) for pFedHN with one client per
+round on the CIFAR CNN (the paper's setting), per path.
+
+Prints a table and writes JSON (seconds per round, client updates per second, achieved FLOP/s,
+peak device memory, the speed-up over ``reference`` and ``sequential`` in the same run).
+
+    python -m benchmarks.speed --device cpu --workload lenet5_mnist --methods FedAvg \
+        --clients 20 --paths reference sequential vectorized vectorized-compiled \
         --out benchmarks/results/speed_cpu.json
-    python -m benchmarks.speed --device cuda --out benchmarks/results/speed_gpu.json
+    python -m benchmarks.speed --device cuda --e2e --out benchmarks/results/speed_gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
+from lightning_pfl.datasets.registry import DATASETS, DatasetArrays, DatasetSpec
 from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN
 from lightning_pfl.models import build_network
 from lightning_pfl.partition import IID
 
 METHODS: dict[str, type[FederatedMethod]] = {"FedAvg": FedAvg, "pFedHN": PFedHN, "Local": Local}
+ENGINE_PATHS = [
+    "sequential",
+    "vectorized",
+    "sequential-compiled",
+    "vectorized-compiled",
+    "sequential-graphs",
+    "vectorized-graphs",
+    "vectorized-compiled-graphs",
+]
+PATHS = ["reference", *ENGINE_PATHS]
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "cifar_cnn": {"net": "cnn", "shape": (3, 32, 32)},
+    "lenet5_mnist": {"net": "lenet5", "shape": (1, 28, 28)},
+}
 
 
-def flops_per_client_step(batch: int) -> int:
-    """FLOPs of one forward + backward of the CNN target on one batch."""
-    net = build_network("cnn", (3, 32, 32), 10)
-    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+def _random_images(shape: tuple[int, ...]) -> Any:
+    def load(root: str, download: bool, seed: int = 0, train_size: int = 0, **_: Any) -> Any:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randint(0, 256, (train_size, *shape), generator=g, dtype=torch.uint8)
+        y = torch.randint(0, 10, (train_size,), generator=g)
+        return DatasetArrays(x, y, x[:0], y[:0])
+
+    return load
+
+
+for _name, _workload in WORKLOADS.items():  # timing data, registered for this script only
+    DATASETS[f"random_{_name}"] = DatasetSpec(
+        f"random_{_name}", 10, _workload["shape"], _random_images(_workload["shape"])
+    )
+
+
+def samples_per_client(args: argparse.Namespace) -> int:
+    if args.workload == "lenet5_mnist":
+        return args.batch * args.batches_per_epoch
+    return args.batch
+
+
+def flops_per_client_step(args: argparse.Namespace) -> int:
+    """FLOPs of one forward + backward of the workload's network on one batch."""
+    workload = WORKLOADS[args.workload]
+    net = build_network(workload["net"], workload["shape"], 10)
+    x, y = torch.randn(args.batch, *workload["shape"]), torch.randint(0, 10, (args.batch,))
     with FlopCounterMode(display=False) as counter:
         F.cross_entropy(net(x), y).backward()
     return int(counter.get_total_flops())
 
 
-PATHS = ("sequential", "vectorized", "sequential-compiled", "vectorized-compiled")
-
-
 def build(
     method: str, num_clients: int, clients_per_round: int, args: argparse.Namespace, path: str
 ) -> FederatedMethod:
-    # 80 random images per client, 64 of them for training: every client has one full batch,
-    # so the work per client is the same at every total number of clients.
+    workload = WORKLOADS[args.workload]
+    per_client = samples_per_client(args)
     data = FederatedDataModule(
-        "random_cifar10",
+        f"random_{args.workload}",
         num_clients=num_clients,
         partition=IID(),
         eval_split="holdout",
         val_fraction=0.0,
-        test_fraction=0.2,
-        dataset_options={"train_size": 80 * num_clients, "test_size": 0},
+        test_fraction=0.01,
+        dataset_options={"train_size": round(per_client * num_clients / 0.99) + num_clients},
         seed=0,
     )
     data.setup()
     data.to(torch.device(args.device))
+    epochs = {"local_epochs": 1} if args.workload == "lenet5_mnist" else {}
     model = METHODS[method](
         num_clients=num_clients,
         num_classes=10,
-        input_shape=(3, 32, 32),
-        net="cnn",
+        input_shape=workload["shape"],
+        net=workload["net"],
         clients_per_round=clients_per_round,
         local_steps=args.steps,
         batch_size=args.batch,
-        vectorize=path.startswith("vectorized"),
-        compile_step=path.endswith("-compiled"),
+        local_lr=0.01,
+        vectorize="vectorized" in path or path == "reference",
+        compile_step="compiled" in path,
+        cuda_graphs="graphs" in path,
         offload_client_state=args.device == "cuda",
+        **epochs,
     )
     model.attach_data(data)
     model.to(args.device)
     model.store.to(torch.device(args.device), offload=args.device == "cuda")
+    if "graphs" in path:
+        model.round_graphs = model._round_graphs()
     return model
 
 
+def reference_round(model: FederatedMethod, round_idx: int) -> None:
+    """FedAvg as the popular libraries write it: a module and torch.optim.SGD per client."""
+    assert isinstance(model, FedAvg)
+    h = model.hp
+    clients = model.sample_clients(round_idx)
+    batches = model.draw_batches(clients, round_idx)
+    states = []
+    for c in range(len(clients)):
+        net = copy.deepcopy(model.net)
+        optimizer = torch.optim.SGD(
+            net.parameters(),
+            lr=h.local_lr,
+            momentum=h.local_momentum,
+            weight_decay=h.local_weight_decay,
+        )
+        for s in range(batches.active.shape[1]):
+            real = batches.weight[c, s] > 0
+            x, y = model.data.fetch(batches.index[c, s][real])
+            optimizer.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), h.local_max_grad_norm)
+            optimizer.step()
+        states.append(net.state_dict())
+    weights = model.client_weights(clients)
+    with torch.no_grad():
+        for name, p in model.net.named_parameters():
+            p.copy_(sum(w * s[name] for w, s in zip(weights.float(), states, strict=True)))
+
+
 def time_rounds(
-    model: FederatedMethod, rounds: int, precision: str, device: str
+    model: FederatedMethod, rounds: int, precision: str, device: str, path: str
 ) -> tuple[float, float]:
-    """Seconds of the first round (warm-up, compilation) and mean seconds of the next ones."""
+    """Seconds of the first round (warm-up, compilation, recording) and mean of the next ones."""
     optimizer = model.configure_optimizers()
     autocast = (
         torch.autocast(device_type=device, dtype=torch.bfloat16)
@@ -96,13 +184,17 @@ def time_rounds(
     )
 
     def one_round(r: int) -> None:
+        if path == "reference":
+            reference_round(model, r)
+            return
         optimizer.zero_grad()
         with autocast:
-            model.run_round(r, model.sample_clients(r))
+            losses = model.run_round(r, model.sample_clients(r))
+        losses.sum().item()  # as the training step, one host sync per round
         optimizer.step()
 
     start = time.perf_counter()
-    one_round(0)  # warm-up (allocations, kernels, compilation)
+    one_round(0)
     _sync(device)
     first = time.perf_counter() - start
     start = time.perf_counter()
@@ -129,15 +221,17 @@ def measure(
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     model = build(method, num_clients, cpr, args, path)
-    first_round, seconds = time_rounds(model, args.rounds, precision, args.device)
-    client_steps = cpr * args.steps
+    first_round, seconds = time_rounds(model, args.rounds, precision, args.device, path)
+    steps = args.steps if args.workload == "cifar_cnn" else args.batches_per_epoch
+    client_steps = cpr * steps
     row = {
         "method": method,
+        "workload": args.workload,
         "num_clients": num_clients,
         "clients_per_round": cpr,
         "path": path,
         "precision": precision,
-        "local_steps": args.steps,
+        "local_steps": steps,
         "batch_size": args.batch,
         "seconds_per_round": seconds,
         "first_round_seconds": first_round,
@@ -149,9 +243,91 @@ def measure(
         "client_state_mb": model.store.nbytes() / 2**20,
     }
     print(
-        f"{method:<7} n={num_clients:<6} C={cpr:<4} {path:<19} {precision:<10} "
+        f"{method:<7} n={num_clients:<6} C={cpr:<4} {path:<27} {precision:<10} "
         f"{seconds:8.4f} s/round {row['client_updates_per_second']:9.1f} upd/s "
         f"{row['achieved_tflops']:7.3f} TFLOP/s",
+        flush=True,
+    )
+    return row
+
+
+def add_speedups(rows: list[dict[str, Any]]) -> None:
+    """Speed-up of every row over the reference and the sequential path of its setting."""
+    for row in rows:
+        same = [
+            r
+            for r in rows
+            if (r["method"], r["clients_per_round"], r["precision"])
+            == (row["method"], row["clients_per_round"], row["precision"])
+        ]
+        for base in ("reference", "sequential"):
+            match = [r for r in same if r["path"] == base]
+            if match:
+                row[f"speedup_over_{base}"] = (
+                    match[0]["seconds_per_round"] / row["seconds_per_round"]
+                )
+
+
+class RoundClock(Callback):
+    """Wall time of rounds 2..N through Lightning's fit loop (the first round warms up)."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.rounds = 0
+        self.seconds = 0.0
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == 1:
+            _sync("cuda" if torch.cuda.is_available() else "cpu")
+            self.started = time.perf_counter()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        _sync("cuda" if torch.cuda.is_available() else "cpu")
+        if self.started is not None:
+            self.rounds = trainer.global_step - 1
+            self.seconds = time.perf_counter() - self.started
+
+
+def end_to_end(args: argparse.Namespace, path: str) -> dict[str, Any]:
+    """pFedHN, one client per round, through ``lightning-pfl fit`` (validation off)."""
+    from lightning_pfl.cli import run
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "pfedhn" / "cifar10_50clients.yaml"
+    clock = RoundClock()
+    with tempfile.TemporaryDirectory() as logs:
+        cli = run(
+            [
+                "fit",
+                f"--config={config}",
+                "--data.init_args.dataset=random_cifar10",
+                "--data.init_args.dataset_options={train_size: 20000, test_size: 1000}",
+                f"--trainer.max_steps={args.e2e_rounds}",
+                f"--trainer.val_check_interval={args.e2e_rounds}",
+                "--trainer.limit_val_batches=0",
+                f"--trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
+                "--trainer.enable_progress_bar=false",
+                f"--trainer.logger.init_args.save_dir={logs}",
+                "--test_after_fit=false",
+                f"--model.init_args.vectorize={'vectorized' in path}",
+                f"--model.init_args.compile_step={'compiled' in path}",
+                f"--model.init_args.cuda_graphs={'graphs' in path}",
+                "--checkpoint.every_n_rounds=0",
+                "--checkpoint.every_minutes=null",
+            ],
+            callbacks=[clock],
+        )
+        training_step = cli.model.results()["seconds_per_round"]
+    row = {
+        "path": path,
+        "rounds": clock.rounds,
+        "end_to_end_seconds_per_round": clock.seconds / max(clock.rounds, 1),
+        "training_step_seconds_per_round": training_step,
+    }
+    print(
+        f"end to end pFedHN 1 client {path:<27} {row['end_to_end_seconds_per_round']:.4f} s/round "
+        f"(training step {row['training_step_seconds_per_round']:.4f})",
         flush=True,
     )
     return row
@@ -162,53 +338,49 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="cifar_cnn")
     parser.add_argument("--methods", nargs="+", default=["FedAvg", "pFedHN"], choices=list(METHODS))
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 10, 50, 100])
-    parser.add_argument(
-        "--num-clients", type=int, default=100, help="total clients for the main table"
-    )
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--num-clients", type=int, default=100, help="total clients")
+    parser.add_argument("--steps", type=int, default=50, help="local steps (cifar_cnn)")
+    parser.add_argument("--batches-per-epoch", type=int, default=40, help="(lenet5_mnist)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
-    parser.add_argument("--paths", nargs="+", default=["sequential", "vectorized"], choices=PATHS)
-    parser.add_argument("--total-clients", type=int, nargs="*", default=[100, 1000, 10000])
+    parser.add_argument(
+        "--paths", nargs="+", default=["reference", "sequential", "vectorized"], choices=PATHS
+    )
+    parser.add_argument("--total-clients", type=int, nargs="*", default=[])
     parser.add_argument("--curve-clients-per-round", type=int, default=10)
+    parser.add_argument("--e2e", action="store_true", help="also time lightning-pfl fit")
+    parser.add_argument("--e2e-rounds", type=int, default=200)
+    parser.add_argument("--e2e-paths", nargs="+", default=["vectorized", "vectorized-graphs"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     started = environment()
 
-    step_flops = flops_per_client_step(args.batch)
+    step_flops = flops_per_client_step(args)
     rows = []
     for method in args.methods:
         for cpr in args.clients:
             for precision in args.precisions:
                 for path in args.paths:
+                    if path == "reference" and method != "FedAvg":
+                        continue
+                    if "graphs" in path and args.device != "cuda":
+                        continue
                     rows.append(
-                        measure(
-                            method,
-                            args.num_clients,
-                            cpr,
-                            args,
-                            path,
-                            precision,
-                            step_flops,
-                        )
+                        measure(method, args.num_clients, cpr, args, path, precision, step_flops)
                     )
-    curve = []
-    for method in args.methods:
-        for total in args.total_clients:
-            curve.append(
-                measure(
-                    method,
-                    total,
-                    args.curve_clients_per_round,
-                    args,
-                    "vectorized",
-                    "32-true",
-                    step_flops,
-                )
-            )
+    add_speedups(rows)
+    curve = [
+        measure(
+            method, total, args.curve_clients_per_round, args, "vectorized", "32-true", step_flops
+        )
+        for method in args.methods
+        for total in args.total_clients
+    ]
+    e2e = [end_to_end(args, path) for path in args.e2e_paths] if args.e2e else []
     result = {
         "benchmark": "speed",
         "environment": started,
@@ -216,6 +388,7 @@ def main() -> None:
         "flops_per_client_step": step_flops,
         "rows": rows,
         "total_clients_curve": curve,
+        "end_to_end": e2e,
         "args": vars(args),
     }
     with open(args.out, "w") as f:

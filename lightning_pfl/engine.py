@@ -10,7 +10,7 @@ whose client step cannot be vmapped.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from lightning_pfl.graphs import RoundGraphs
 from lightning_pfl.losses import weighted_mean
 
 Params = dict[str, Tensor]
@@ -155,6 +156,18 @@ class ClientBatches:
     weight: Tensor
     active: Tensor
 
+    def pad_steps(self, steps: int) -> ClientBatches:
+        """The same batches followed by idle steps up to ``steps`` (no-ops for every client)."""
+        extra = steps - self.active.shape[1]
+        if extra <= 0:
+            return self
+        clients, _, batch = self.index.shape
+        return ClientBatches(
+            torch.cat([self.index, self.index.new_zeros(clients, extra, batch)], 1),
+            torch.cat([self.weight, self.weight.new_zeros(clients, extra, batch)], 1),
+            torch.cat([self.active, self.active.new_zeros(clients, extra)], 1),
+        )
+
     def select(self, rows: Tensor) -> ClientBatches:
         """The batches of clients ``rows`` only, without the steps none of them takes."""
         active = self.active[rows]
@@ -224,6 +237,8 @@ def train_clients(
     vectorize: bool = True,
     compile_step: bool = False,
     state: Params | None = None,
+    graphs: RoundGraphs | None = None,
+    fetch_key: Hashable = None,
 ) -> TrainResult:
     """Run local SGD for every client of the round.
 
@@ -243,6 +258,10 @@ def train_clients(
         state: per-client tensors the loss reads and updates without gradients (batch-norm
             running statistics), stacked ``[C, ...]``; passed to the loss inside ``frozen``
             and replaced by the loss's returned state after every active step.
+        graphs: record the whole call once per shape and replay it (CUDA graphs); the
+            recording is keyed by ``loss_fn``, ``groups``, ``fetch_key`` (what identifies the
+            data ``fetch`` reads), the flags and every tensor's shape.
+        fetch_key: identity of the data behind ``fetch`` (needed with ``graphs``).
     """
     frozen = frozen or {}
     state = state or {}
@@ -274,46 +293,64 @@ def train_clients(
         keep_st = {n: torch.where(active, new_st[n].detach(), st[n]) for n in st}
         return keep, keep_m, keep_st, loss.detach()
 
-    num_clients, num_steps = batches.active.shape
     batched_step = vmap(step, randomness="different") if vectorize else None
     if compile_step:
         if batched_step is not None:
             batched_step = torch.compile(batched_step, dynamic=False)
         else:
             step = torch.compile(step, dynamic=False)
-    loss_sum = torch.zeros(num_clients, device=batches.weight.device)
-    for s in range(num_steps):
-        x, y = fetch(batches.index[:, s])
-        w, active = batches.weight[:, s], batches.active[:, s]
-        if batched_step is not None:
-            params, momentum, state, loss = batched_step(
-                params, momentum, state, frozen, x, y, w, active
-            )
-        else:
 
-            def row(tensors: Params, c: int) -> Params:
-                return {n: t[c] for n, t in tensors.items()}
-
-            outs = [
-                step(
-                    row(params, c),
-                    row(momentum, c),
-                    row(state, c),
-                    row(frozen, c),
-                    x[c],
-                    y[c],
-                    w[c],
-                    active[c],
+    def rounds(
+        params: Params,
+        momentum: Params,
+        state: Params,
+        frozen: Params,
+        index: Tensor,
+        weight: Tensor,
+        active: Tensor,
+    ) -> tuple[Params, Params, Params, Tensor]:
+        """Every local step of every client: a pure function of its tensors (recordable)."""
+        num_clients, num_steps = active.shape
+        loss_sum = torch.zeros(num_clients, device=weight.device)
+        for s in range(num_steps):
+            x, y = fetch(index[:, s])
+            if batched_step is not None:
+                params, momentum, state, loss = batched_step(
+                    params, momentum, state, frozen, x, y, weight[:, s], active[:, s]
                 )
-                for c in range(num_clients)
-            ]
-            params = {n: torch.stack([o[0][n] for o in outs]) for n in params}
-            momentum = {n: torch.stack([o[1][n] for o in outs]) for n in momentum}
-            state = {n: torch.stack([o[2][n] for o in outs]) for n in state}
-            loss = torch.stack([o[3] for o in outs])
-        loss_sum = loss_sum + loss.float() * active
+            else:
+                outs = [
+                    step(
+                        _row(params, c),
+                        _row(momentum, c),
+                        _row(state, c),
+                        _row(frozen, c),
+                        x[c],
+                        y[c],
+                        weight[c, s],
+                        active[c, s],
+                    )
+                    for c in range(num_clients)
+                ]
+                params = {n: torch.stack([o[0][n] for o in outs]) for n in params}
+                momentum = {n: torch.stack([o[1][n] for o in outs]) for n in momentum}
+                state = {n: torch.stack([o[2][n] for o in outs]) for n in state}
+                loss = torch.stack([o[3] for o in outs])
+            loss_sum = loss_sum + loss.float() * active[:, s]
+        return params, momentum, state, loss_sum
+
+    inputs = (params, momentum, state, frozen, batches.index, batches.weight, batches.active)
+    if graphs is None:
+        params, momentum, state, loss_sum = rounds(*inputs)
+    else:
+        code_key = (id(loss_fn), tuple(groups), fetch_key, vectorize, compile_step)
+        params, momentum, state, loss_sum = graphs(rounds, code_key, (loss_fn, fetch), *inputs)
     steps = batches.active.sum(1)
     return TrainResult(params, momentum, loss_sum / steps.clamp_min(1), steps, state)
+
+
+def _row(tensors: Params, c: int) -> Params:
+    return {n: t[c] for n, t in tensors.items()}
 
 
 class ClientStateStore:

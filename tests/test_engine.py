@@ -143,3 +143,70 @@ def test_client_state_store_gathers_scatters_and_round_trips() -> None:
     other.load_state_dict(store.state_dict())
     assert torch.equal(other.fields["head"]["w"], store.fields["head"]["w"])
     assert store.nbytes() == 5 * 6 * 4
+
+
+def test_batch_norm_statistics_are_per_client_state_matching_torch_modules() -> None:
+    """Two clients with BN trained vmapped == each client's own nn.Module + torch.optim.SGD,
+    running statistics included; evaluation uses them (eval mode)."""
+    x, y = make_data()
+    torch.manual_seed(0)
+    net = DigitsCNN(batch_norm=True)
+    arch = Architecture(net)
+    batches = random_batches(2, 4, 16, len(y))
+    batches.active[:] = True
+    batches.weight[:] = 1.0
+    state = {
+        n: b.unsqueeze(0).repeat(2, *([1] * b.dim())) for n, b in arch.initial_buffers().items()
+    }
+    params = {
+        n: p.unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in arch.initial_params().items()
+    }
+    result = train_clients(
+        cross_entropy_loss(arch),
+        params,
+        [ParamGroup(tuple(params), SGDConfig(0.1, 0.9))],
+        batches,
+        lambda i: (x[i], y[i]),
+        state=state,
+    )
+    for c in range(2):
+        module = DigitsCNN(batch_norm=True)
+        module.load_state_dict(net.state_dict(), strict=False)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for s in range(4):
+            idx = batches.index[c, s]
+            opt.zero_grad()
+            F.cross_entropy(module(x[idx]), y[idx]).backward()
+            opt.step()
+        for name, tensor in module.state_dict().items():
+            if "num_batches" in name:
+                continue
+            got = result.state[name][c] if name in result.state else result.params[name][c]
+            torch.testing.assert_close(got, tensor, rtol=1e-4, atol=1e-5, msg=name)
+        module.eval()
+        tensors = {n: t[c] for n, t in {**result.params, **result.state}.items()}
+        torch.testing.assert_close(arch(tensors, x[:8]), module(x[:8]), rtol=1e-4, atol=1e-5)
+    assert not torch.equal(result.state["bn1.running_mean"][0], result.state["bn1.running_mean"][1])
+
+
+def test_inactive_steps_leave_batch_norm_statistics_untouched() -> None:
+    x, y = make_data()
+    arch = Architecture(DigitsCNN(batch_norm=True))
+    params = {
+        n: p.unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in arch.initial_params().items()
+    }
+    state = {
+        n: b.unsqueeze(0).repeat(2, *([1] * b.dim())) for n, b in arch.initial_buffers().items()
+    }
+    batches = random_batches(2, 3, 8, len(y))
+    batches.active[0] = False
+    result = train_clients(
+        cross_entropy_loss(arch),
+        params,
+        [ParamGroup(tuple(params), SGDConfig(0.1))],
+        batches,
+        lambda i: (x[i], y[i]),
+        state=state,
+    )
+    for name in state:
+        assert torch.equal(result.state[name][0], state[name][0])

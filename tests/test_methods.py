@@ -103,3 +103,108 @@ def test_compiled_step_matches_eager_and_compiles_once() -> None:
     for field, tensors in stores[0].items():
         for name, tensor in tensors.items():
             torch.testing.assert_close(stores[1][field][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_per_client_hypernetwork_update_steps_once_per_client_in_turn() -> None:
+    """per_client == C optimizer steps, the i-th with client i's J_i^T delta_i (clipped)."""
+    dm = digits_data(6)
+    clients = torch.tensor([0, 2, 5])
+    stepped = build(PFedHN, dm, clients_per_round=3, hn_update="per_client")
+    expected = build(PFedHN, dm, clients_per_round=3, hn_update="per_client")
+    optimizer = stepped.configure_optimizers()
+    trained = capture_local_training(stepped)
+    optimizer.zero_grad()
+    stepped.run_round(0, clients)
+    optimizer.step()
+
+    reference = expected.configure_optimizers()
+    params = list(expected.hnet.parameters())
+    generated = expected.hnet(clients)
+    delta = {n: generated[n].detach() - trained[0].params[n] for n in generated}
+    per_client = []  # every client's gradient at the round's starting phi, then one step each
+    for i in range(len(clients)):
+        outputs = [generated[n][i] for n in generated]
+        grads = torch.autograd.grad(
+            outputs, params, [delta[n][i] for n in generated], retain_graph=True, allow_unused=True
+        )
+        per_client.append(
+            [
+                g if g is not None else torch.zeros_like(p)
+                for p, g in zip(params, grads, strict=True)
+            ]
+        )
+    for grads in per_client:
+        reference.zero_grad()
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(params, 50.0)
+        reference.step()
+    for (name, a), b in zip(
+        stepped.hnet.named_parameters(), expected.hnet.parameters(), strict=True
+    ):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_per_client_and_mean_updates_agree_with_one_client_per_round() -> None:
+    dm = digits_data(6)
+    methods = [build(PFedHN, dm, clients_per_round=1, hn_update=u) for u in ("mean", "per_client")]
+    for method in methods:
+        optimizer = method.configure_optimizers()
+        for r in range(2):
+            optimizer.zero_grad()
+            method.run_round(r, method.sample_clients(r))
+            optimizer.step()
+    for a, b in zip(methods[0].hnet.parameters(), methods[1].hnet.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("net", ["cnn", "kt_cnn", "mlp", "lenet5", "small_cnn", "transformer"])
+@pytest.mark.parametrize("n_hidden", [0, 3])
+def test_generated_weights_start_at_the_targets_own_init_scale(net: str, n_hidden: int) -> None:
+    """Every generated tensor's std is the target's own init std (within 1.25x), for any HN
+    depth; the default head initialization was off by up to 17x (pFedHN's MNIST HN)."""
+    from lightning_pfl.engine import Architecture
+    from lightning_pfl.models import HyperNetwork, build_network
+
+    shape = (1, 28, 28) if net in ("mlp",) else (3, 32, 32)
+    arch = Architecture(build_network(net, shape, 10))
+    torch.manual_seed(0)
+    hnet = HyperNetwork(50, arch.shapes, 13, 100, n_hidden, target_init=arch.initial_params())
+    with torch.no_grad():
+        generated = hnet(torch.arange(50))
+    for name, own in arch.initial_params().items():
+        if own.numel() < 10 or float(own.std()) == 0:
+            continue
+        ratio = float(generated[name].std()) / float(own.std())
+        assert 0.8 < ratio < 1.25, (name, ratio)
+        if own.numel() >= 100:
+            gap = abs(float(generated[name].mean() - own.mean()))
+            assert gap < 0.5 * float(own.std()), name
+
+
+@pytest.mark.parametrize("net", ["kt_cnn", "digits_cnn"])
+def test_chunked_hypernetwork_starts_within_4x_of_each_tensors_init_scale(net: str) -> None:
+    from lightning_pfl.engine import Architecture
+    from lightning_pfl.models import build_network
+    from lightning_pfl.models.chunked_hypernetwork import ChunkedHyperNetwork
+
+    shape = (1, 8, 8) if net == "digits_cnn" else (3, 32, 32)
+    arch = Architecture(build_network(net, shape, 10))
+    torch.manual_seed(0)
+    hn = ChunkedHyperNetwork(arch.shapes, target_init=arch.initial_params())
+    with torch.no_grad():
+        generated = hn.unflatten(hn())
+    for name, own in arch.initial_params().items():
+        if own.numel() >= 100:
+            ratio = float(generated[name].std()) / float(own.std())
+            assert 0.25 < ratio < 4, (name, ratio)
+
+
+def test_hypernetwork_features_have_the_reference_mean_square() -> None:
+    from lightning_pfl.models import HyperNetwork
+    from lightning_pfl.models.hypernetwork import REFERENCE_MEAN_SQUARE
+
+    for n_hidden in (0, 1, 3):
+        hnet = HyperNetwork(100, {"w": (4,)}, 26, 100, n_hidden)
+        square = hnet.features(torch.arange(100)).pow(2).sum(-1).mean()
+        torch.testing.assert_close(square, torch.tensor(REFERENCE_MEAN_SQUARE), rtol=1e-4, atol=0)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.func import vmap
 
@@ -33,6 +33,7 @@ from lightning_pfl.engine import (
     train_clients,
 )
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
+from lightning_pfl.graphs import CudaGraphRecorder, RoundGraphs
 from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
 from lightning_pfl.reporting import per_client_figure, report_partition
@@ -82,6 +83,8 @@ class FederatedMethod(LightningModule, ABC):
         vectorize: train the round's clients together with vmap (False: one by one, same math;
             faster on CPU for conv nets on 32x32 batches of 64, see docs/performance.md).
         compile_step: compile the local SGD step with ``torch.compile`` (first round slower).
+        cuda_graphs: record each round's local training as a CUDA graph and replay it (None:
+            on when training on a CUDA device; see ``lightning_pfl.graphs``).
         eval_batch_size: samples per client per evaluation block.
         select_metric: validation metric that picks the best round: ``acc`` (mean over
             clients, the pFedHN paper's formula) or ``acc_weighted`` (pooled, its code's).
@@ -106,6 +109,7 @@ class FederatedMethod(LightningModule, ABC):
         local_max_grad_norm: PositiveFloat | None = 50.0,
         vectorize: bool = True,
         compile_step: bool = False,
+        cuda_graphs: bool | None = None,
         eval_batch_size: PositiveInt = 512,
         select_metric: Literal["acc", "acc_weighted"] = "acc",
         offload_client_state: bool = False,
@@ -121,9 +125,11 @@ class FederatedMethod(LightningModule, ABC):
                 f"{num_clients} clients of the data; use 1..{num_clients}."
             )
         with self.seeded_init(INIT_STREAM):
-            self.arch = Architecture(
-                build_network(net, input_shape, num_classes, **(net_args or {}))
-            )
+            try:
+                network = build_network(net, input_shape, num_classes, **(net_args or {}))
+            except ConfigError as error:
+                raise ConfigError(f"model.init_args.net / net_args: {error}") from None
+            self.arch = Architecture(network)
         self.store = ClientStateStore(num_clients)
         self.cross_entropy = cross_entropy_loss(self.arch)  # one object: a compiled step reuses it
         # Lightning's DDP wrapper refuses modules without trainable parameters (Local,
@@ -131,8 +137,9 @@ class FederatedMethod(LightningModule, ABC):
         self.ddp_anchor = nn.Parameter(torch.zeros(0))
         self.val_metric = ClientAccuracy(num_clients)
         self.test_metric = ClientAccuracy(num_clients)
-        self.comm_bytes_total: Tensor
-        self.register_buffer("comm_bytes_total", torch.zeros(2, dtype=torch.float64))
+        # Bytes sent / received so far: counted on the host from tensor shapes (no sync).
+        self.comm_bytes_total = torch.zeros(2, dtype=torch.float64)
+        self._round_bytes = [0.0, 0.0]
         self._data: FederatedDataModule | None = None
         self.best: dict[str, Any] = {}
         self.last_val: dict[str, float] = {}
@@ -143,6 +150,7 @@ class FederatedMethod(LightningModule, ABC):
         self.stopped_by: str | None = None
         self.experiment: dict[str, Any] | None = None  # set by the CLI, checked on resume
         self.server_optimizer: torch.optim.Optimizer | None = None  # set by configure_optimizers
+        self.round_graphs: RoundGraphs | None = None  # set in on_fit_start (needs the device)
 
     # ----------------------------------------------------------------- hooks for methods
     @abstractmethod
@@ -205,13 +213,20 @@ class FederatedMethod(LightningModule, ABC):
         keys = (h.seed, round_idx, BATCH_STREAM) + ((phase,) if phase else ())
         generator = torch.Generator(self.data.device).manual_seed(derive_seed(*keys))
         epochs = epochs if epochs is not None else h.local_epochs
-        return self.data.client_batches(
+        batches = self.data.client_batches(
             clients,
             h.batch_size,
             generator,
             steps=None if epochs is not None else h.local_steps,
             epochs=epochs,
         )
+        if epochs is not None and self.round_graphs is not None:
+            # Rounds differ in their largest client; pad to the largest of all clients (idle
+            # steps change nothing) so that one recorded round serves every round.
+            largest = int(self.data.num_samples("train").max())
+            batch = batches.index.shape[-1]
+            batches = batches.pad_steps(epochs * math.ceil(largest / batch))
+        return batches
 
     def local_train(
         self,
@@ -252,6 +267,8 @@ class FederatedMethod(LightningModule, ABC):
                 h.vectorize,
                 h.compile_step,
                 state,
+                self.round_graphs,
+                self._fetch_key(),
             )
         else:
             result = self._train_across_ranks(
@@ -302,6 +319,8 @@ class FederatedMethod(LightningModule, ABC):
             self.hp.vectorize,
             self.hp.compile_step,
             take(state),
+            self.round_graphs,
+            self._fetch_key(),
         )
 
         def gather(tensors: Params) -> Params:
@@ -317,6 +336,11 @@ class FederatedMethod(LightningModule, ABC):
             gather(local.state),
         )
 
+    def _fetch_key(self) -> tuple[int, ...]:
+        """What identifies the data tensors ``fetch`` reads (a recorded round reads them)."""
+        data = self.data
+        return (id(data), data.inputs.data_ptr(), data.labels.data_ptr(), data.mean.data_ptr())
+
     def client_weights(self, clients: Tensor) -> Tensor:
         """Training-sample counts of ``clients`` normalized to sum to one."""
         n = self.data.num_samples("train")[clients.to(self.data.device)].double()
@@ -324,9 +348,7 @@ class FederatedMethod(LightningModule, ABC):
 
     def record_communication(self, down: Mapping[str, Tensor], up: Mapping[str, Tensor]) -> None:
         """Count the bytes of what the server sent and received this round (all clients)."""
-        self._round_bytes = torch.tensor(
-            [_nbytes(down), _nbytes(up)], dtype=torch.float64, device=self.device
-        )
+        self._round_bytes = [float(_nbytes(down)), float(_nbytes(up))]
 
     # ----------------------------------------------------------------- Lightning plumbing
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -349,6 +371,7 @@ class FederatedMethod(LightningModule, ABC):
 
     def on_fit_start(self) -> None:
         self._place_state()
+        self.round_graphs = self._round_graphs()
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
         if self.trainer.is_global_zero and self.logger is not None and log_dir is not None:
             report_partition(self.data, log_dir, self.logger)
@@ -359,6 +382,17 @@ class FederatedMethod(LightningModule, ABC):
                 _log_hparams_table(self.logger, self.hparam_table())
             if self._validation_enabled():
                 self._record_validation(*self._evaluate_all("val"))
+
+    def _round_graphs(self) -> RoundGraphs | None:
+        wanted = self.hp.cuda_graphs
+        if wanted is None:
+            wanted = self.device.type == "cuda"
+        if not wanted:
+            return None
+        if self.device.type != "cuda":
+            rank_zero_warn("cuda_graphs: true needs a CUDA device; the rounds run eagerly.")
+            return None
+        return RoundGraphs(CudaGraphRecorder())
 
     def _validation_enabled(self) -> bool:
         return bool(self.data.val_dataloader()) and self.trainer.limit_val_batches != 0
@@ -387,12 +421,13 @@ class FederatedMethod(LightningModule, ABC):
         assert not isinstance(optimizer, list)
         optimizer.zero_grad()
         clients = self.sample_clients(round_idx)
-        self._round_bytes = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self._round_bytes = [0.0, 0.0]
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # dropout: seeded by round, resumable
             torch.manual_seed(derive_seed(self.hp.seed, round_idx, DROPOUT_STREAM))
             losses = self.run_round(round_idx, clients)
-        if not bool(torch.isfinite(losses).all()):
+        finite, loss = torch.stack([torch.isfinite(losses).all().float(), losses.mean()]).tolist()
+        if not finite:  # the round's one host sync: the check and the logged loss together
             bad = clients[~torch.isfinite(losses)].tolist()
             raise NonFiniteLossError(
                 f"non-finite local training loss in round {round_idx} for clients {bad[:10]}; "
@@ -400,14 +435,13 @@ class FederatedMethod(LightningModule, ABC):
                 "check the inputs."
             )
         optimizer.step()
-        self.comm_bytes_total += self._round_bytes
+        self.comm_bytes_total += torch.tensor(self._round_bytes, dtype=torch.float64)
         self.train_seconds += time.perf_counter() - start
         self.rounds_timed += 1
-        loss = float(losses.mean())
         metrics = {
             "train/loss": loss,
-            "comm/bytes_down": float(self._round_bytes[0]),
-            "comm/bytes_up": float(self._round_bytes[1]),
+            "comm/bytes_down": self._round_bytes[0],
+            "comm/bytes_up": self._round_bytes[1],
             "comm/bytes_down_total": float(self.comm_bytes_total[0]),
             "comm/bytes_up_total": float(self.comm_bytes_total[1]),
         }
@@ -547,6 +581,7 @@ class FederatedMethod(LightningModule, ABC):
             "train_seconds": self.train_seconds,
             "rounds_timed": self.rounds_timed,
             "round": int(self.global_step),
+            "comm_bytes_total": self.comm_bytes_total.tolist(),
             "experiment": self.experiment,
         }
 
@@ -558,6 +593,7 @@ class FederatedMethod(LightningModule, ABC):
         self.train_seconds = state["train_seconds"]
         self.rounds_timed = state["rounds_timed"]
         self.checkpoint_round = state["round"]
+        self.comm_bytes_total = torch.tensor(state["comm_bytes_total"], dtype=torch.float64)
 
     def results(self) -> dict[str, Any]:
         """Summary written to ``results.json``: metrics, rounds, speed, communication."""

@@ -115,20 +115,26 @@ class PFedHN(FederatedMethod):
 
     def update_hypernetwork(self, generated: Params, delta: Params) -> None:
         """Set the server gradient from the clients' deltas (``hn_update: mean``), or step per
-        client (``per_client``: all but the last here, the base class takes the last step)."""
+        client (``per_client``: each client's J_i^T delta_i, all at the round's starting phi,
+        applied one optimizer step at a time; the base class takes the last step)."""
         if self.hp.hn_update == "mean":
             self.set_hypernetwork_gradients(generated, delta)
             return
         optimizer = self.server_optimizer
         assert optimizer is not None, "configure_optimizers() sets the server optimizer"
+        params = [p for p in self.hnet.parameters() if p.requires_grad]
         count = len(next(iter(delta.values())))
+        per_client = []
         for i in range(count):
-            optimizer.zero_grad()
             self.set_hypernetwork_gradients(
                 generated, {n: d[i : i + 1] for n, d in delta.items()}, rows=slice(i, i + 1)
             )
+            per_client.append([p.grad for p in params])
+        for i, grads in enumerate(per_client):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
             if i < count - 1:
-                optimizer.step()  # the base class takes the last client's step
+                optimizer.step()
 
     def set_hypernetwork_gradients(
         self, generated: Params, delta: Params, rows: slice | None = None
