@@ -8,6 +8,16 @@ Settings (``--setting``), each a folder of configs, one per method:
   pFedHN setting (50 clients, 2 classes each).
 - ``fashion_mnist_dirichlet``: the same configs with Dirichlet(0.3) over 100 clients and 10% of
   them (10) per round.
+- ``fashion_mnist_mlp``: ``configs/fashion_mnist_mlp/*.yaml``, pFedHN's MNIST protocol (MLP
+  target, 2 classes per client, one client per round) at 10, 50 and 100 clients on FashionMNIST.
+- ``fashion_mnist_hn_update``: ``configs/fashion_mnist_hn_update/*.yaml``, pFedHN's two server
+  updates with 10 clients per round (``hn_update: mean`` and ``per_client``).
+- ``digits_100clients``: ``configs/digits_100clients/*.yaml``, the same protocol on digits with
+  100 clients (no download).
+
+Every row also records the training stability: the largest per-round mean local loss after round
+100 (``train_loss_max_after_100``) and the number of those rounds above 5
+(``rounds_loss_above_5_after_100``), read from the run's TensorBoard ``train/loss``.
 
 Every run goes through the CLI (``fit``, then test) and its ``results.json`` is collected. Rows
 (one per split and seed) go to ``<out-dir>/<setting>/<config name>.json``, one file per method,
@@ -34,6 +44,7 @@ from typing import Any
 
 import torch
 import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_pfl.cli import run
 
@@ -55,6 +66,9 @@ SETTINGS: dict[str, tuple[str, dict[str, list[str]]]] = {
         },
     ),
     "fashion_mnist": ("fashion_mnist", {"pathological": []}),
+    "fashion_mnist_mlp": ("fashion_mnist_mlp", {"pathological": []}),
+    "digits_100clients": ("digits_100clients", {"pathological": []}),
+    "fashion_mnist_hn_update": ("fashion_mnist_hn_update", {"pathological": []}),
     "fashion_mnist_dirichlet": (
         "fashion_mnist",
         {
@@ -78,8 +92,22 @@ def run_one(config: Path, extra: list[str], log_dir: Path, name: str) -> dict[st
         *extra,
     ]
     cli = run(args)
-    with open(Path(cli.trainer.log_dir) / "results.json") as f:
-        return json.load(f)  # type: ignore[no-any-return]
+    run_dir = Path(cli.trainer.log_dir)
+    with open(run_dir / "results.json") as f:
+        result: dict[str, Any] = json.load(f)
+    result["stability"] = training_stability(run_dir)
+    return result
+
+
+def training_stability(run_dir: Path, after: int = 100, threshold: float = 5.0) -> dict[str, Any]:
+    """The largest logged ``train/loss`` after round ``after``, and rounds above ``threshold``."""
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    losses = [e.value for e in events.Scalars("train/loss") if e.step > after]
+    return {
+        f"train_loss_max_after_{after}": max(losses, default=None),
+        f"rounds_loss_above_{threshold:g}_after_{after}": sum(v > threshold for v in losses),
+    }
 
 
 def summarize(
@@ -101,6 +129,7 @@ def summarize(
         "test_acc_weighted_last": last.get("acc_weighted"),
         "seconds_per_round": result["seconds_per_round"],
         "comm_bytes_total": result["comm_bytes_down_total"] + result["comm_bytes_up_total"],
+        **result["stability"],
     }
 
 
