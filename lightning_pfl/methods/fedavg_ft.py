@@ -1,0 +1,61 @@
+"""FedAvg-FT: FedAvg whose global model each client fine-tunes locally before evaluation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pfl.engine import ParamGroup, Params, derive_seed, train_clients
+from lightning_pfl.methods.base import DROPOUT_STREAM
+from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.validation import PositiveInt
+
+FINETUNE_PHASE = 7  # batch stream of the fine-tuning epochs (apart from training's phases)
+
+
+class FedAvgFT(FedAvg):
+    """FedAvg, then each client fine-tunes the global model for E' local epochs.
+
+    Training is plain FedAvg and is never changed by fine-tuning. A client's personalized
+    model, whenever it is evaluated, is the current global model ``w^t`` after ``E'`` local
+    epochs of SGD (the local SGD settings, a fresh optimizer) on the client's own training
+    data; the batches (and dropout) are seeded by the round ``t``, so the same round's
+    validation and test evaluate the same fine-tuned models and a resumed run reproduces them.
+    The fine-tuned models are not kept.
+
+    Args:
+        finetune_epochs: local fine-tuning epochs E' (1 in the usual FedAvg+FT baseline).
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
+    """
+
+    def __init__(self, finetune_epochs: PositiveInt = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    def personalized_params(self, clients: Tensor) -> Params:
+        return self.finetune(super().personalized_params(clients), clients, self.current_round)
+
+    def finetune(self, params: Params, clients: Tensor, round_idx: int) -> Params:
+        """``params`` (stacked over ``clients``) after E' epochs of local SGD (not kept).
+
+        Runs on this process's clients only (evaluation gives every rank its own clients),
+        so it calls the engine directly instead of :meth:`local_train`.
+        """
+        h = self.hp
+        state = {n: t for n, t in params.items() if n in self.arch.buffer_shapes}
+        trainable = {n: t.clone() for n, t in params.items() if n not in state}
+        batches = self.draw_batches(clients, round_idx, h.finetune_epochs, FINETUNE_PHASE)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            torch.manual_seed(derive_seed(h.seed, round_idx, DROPOUT_STREAM, FINETUNE_PHASE))
+            result = train_clients(
+                self.cross_entropy,
+                trainable,
+                [ParamGroup(tuple(trainable), self.local_sgd())],
+                batches,
+                self.data.fetch,
+                state=state,
+                vectorize=h.vectorize,
+            )
+        return {**result.params, **result.state}
