@@ -8,8 +8,10 @@ import torch
 
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import balanced_softmax_cross_entropy
-from lightning_pfl.methods import MOON, FedBN, FedRoD
+from lightning_pfl.methods import MOON, FedBN, FedRoD, PerFedAvg, PFedMe
 from lightning_pfl.methods.moon import model_contrastive_loss
+from lightning_pfl.methods.per_fedavg import hessian_vector_product
+from lightning_pfl.methods.pfedme import moreau_solve
 from tests.conftest import build, digits_data
 from tests.helpers import (
     CONF,
@@ -187,3 +189,146 @@ def test_moon_vectorized_equals_sequential() -> None:
 
 def test_moon_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "moon.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- pFedMe
+def _softmax_regression() -> tuple[dict[str, torch.Tensor], object]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 5, generator=g, dtype=torch.float64), torch.arange(32) % 3
+
+    def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(x @ p["weight"].T + p["bias"], y)
+
+    w = {
+        "weight": torch.randn(3, 5, generator=g, dtype=torch.float64),
+        "bias": torch.randn(3, generator=g, dtype=torch.float64),
+    }
+    return w, f
+
+
+@pytest.mark.parametrize("steps", [1, 300])
+def test_moreau_solve_reaches_the_optimality_condition(steps: int) -> None:
+    w, f = _softmax_regression()
+    lam = 2.0
+    theta, _ = moreau_solve(f, w, w, lam, 0.2, steps)  # type: ignore[arg-type]
+    grads = torch.func.grad(f)(theta)  # type: ignore[arg-type]
+    residual = torch.cat([(grads[n] + lam * (theta[n] - w[n])).flatten() for n in w]).norm()
+    if steps == 1:
+        assert residual > 1e-2  # one step is far from the solution: the check can fail
+    else:
+        assert residual < 1e-8
+
+
+def test_pfedme_step_moves_w_along_the_moreau_gradient_and_keeps_theta() -> None:
+    dm = digits_data(4)
+    method = build(PFedMe, dm, lam=3.0, personal_lr=0.05, inner_steps=4)
+    w = method.arch.initial_params()
+    theta_old = {n: t + 0.01 for n, t in w.items()}
+    params = {**w, **{f"theta.{n}": t for n, t in theta_old.items()}}
+    x, y = dm.fetch(dm.index["train"].flat[:8])
+    weight = torch.ones(8)
+
+    def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(method.arch(p, x), y)
+
+    theta, value = moreau_solve(f, theta_old, w, 3.0, 0.05, 4)
+    grads, loss = torch.func.grad_and_value(method.pfedme_loss)(params, {}, x, y, weight)
+    torch.testing.assert_close(loss, value)
+    for n in w:
+        torch.testing.assert_close(grads[n], 3.0 * (w[n] - theta[n]), msg=n)
+        torch.testing.assert_close(grads[f"theta.{n}"], theta_old[n] - theta[n], msg=n)
+
+
+def test_pfedme_mixes_with_beta_and_evaluates_theta() -> None:
+    dm = digits_data(6)
+    method = build(PFedMe, dm, clients_per_round=2, beta=0.5, local_lr=0.05)
+    before = {n: t.clone() for n, t in method.global_state().items()}
+    trained = capture_local_training(method)
+    clients = torch.tensor([2, 3])
+    method.run_round(0, clients)
+    method.configure_server_optimizer().step()
+    weights = method.client_weights(clients).float()
+    params = trained[0].params
+    for name, old in before.items():
+        mean = (weights.view(-1, *[1] * old.dim()) * params[name]).sum(0)
+        torch.testing.assert_close(method.global_state()[name], 0.5 * old + 0.5 * mean)
+    personalized = method.personalized_params(clients)
+    for name in before:
+        assert torch.equal(personalized[name], params[f"theta.{name}"]), name
+        assert not torch.equal(personalized[name], params[name]), name
+    with pytest.raises(ConfigError, match="beta"):
+        build(PFedMe, dm, server_lr=0.5)
+
+
+def test_pfedme_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(PFedMe, local_lr=0.05)
+
+
+def test_pfedme_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "pfedme.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- Per-FedAvg
+def test_finite_difference_hessian_vector_product_matches_autograd() -> None:
+    w, f = _softmax_regression()
+    g = torch.Generator().manual_seed(1)
+    v = {n: torch.randn(t.shape, generator=g, dtype=torch.float64) for n, t in w.items()}
+    grad_f = torch.func.grad(f)  # type: ignore[arg-type]
+    expected = torch.func.jvp(grad_f, (w,), (v,))[1]
+    approx = hessian_vector_product(grad_f, w, v, 1e-3)
+    for n in w:
+        torch.testing.assert_close(approx[n], expected[n], rtol=1e-5, atol=1e-7)
+    coarse = hessian_vector_product(grad_f, w, v, 10.0)  # a large delta is visibly wrong
+    assert not torch.allclose(coarse["weight"], expected["weight"], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_per_fedavg_direction_is_the_maml_gradient(variant: str) -> None:
+    dm = digits_data(4)
+    # delta small enough that w +- delta g crosses no ReLU/max-pool kink of this batch
+    method = build(PerFedAvg, dm, variant=variant, alpha=0.1, delta=1e-4)
+    w = method.arch.initial_params()
+    x, y = dm.fetch(dm.index["train"].flat[:12])
+    weight = torch.ones(12)
+    parts = 2 if variant == "fo" else 3
+    size = 12 // parts
+
+    def f(k: int):  # type: ignore[no-untyped-def]
+        sl = slice(k * size, (k + 1) * size)
+        return lambda p: torch.nn.functional.cross_entropy(method.arch(p, x[sl]), y[sl])
+
+    def maml(p: dict[str, torch.Tensor]) -> torch.Tensor:  # F(w) = f(w - alpha grad f(w; D); D')
+        inner = torch.func.grad(f(0))(p)
+        return f(1)({n: t - 0.1 * inner[n] for n, t in p.items()})
+
+    grads = torch.func.grad(method.maml_loss)(w, {}, x, y, weight)
+    adapted = {n: t - 0.1 * torch.func.grad(f(0))(w)[n] for n, t in w.items()}
+    first_order = torch.func.grad(f(1))(adapted)
+    if variant == "fo":
+        for n in w:
+            torch.testing.assert_close(grads[n], first_order[n], msg=n)
+    else:  # HF: g - alpha H(w; D'') g with the exact Hessian of D''
+        hv = torch.func.jvp(torch.func.grad(f(2)), (w,), (first_order,))[1]
+        for n in w:
+            expected = first_order[n] - 0.1 * hv[n]
+            assert (grads[n] - expected).norm() < 1e-3 * expected.norm(), n
+            assert (first_order[n] - expected).norm() > 1e-2 * expected.norm(), n
+    exact = torch.func.grad(maml)(w)  # with D'' = D, HF would be exact; FO drops the term
+    assert not torch.allclose(first_order["fc2.weight"], exact["fc2.weight"], atol=1e-6)
+
+
+def test_per_fedavg_evaluates_after_one_adaptation_step() -> None:
+    dm = digits_data(6)
+    method = build(PerFedAvg, dm, alpha=0.3)
+    clients = torch.tensor([0, 3])
+    adapted = method.personalized_params(clients)
+    again = method.personalized_params(clients)
+    for n, t in method.global_state().items():
+        assert torch.equal(adapted[n], again[n]), n  # seeded: the same batch every call
+        assert not torch.equal(adapted[n][0], t), n
+    assert not torch.equal(adapted["fc2.weight"][0], adapted["fc2.weight"][1])
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_per_fedavg_vectorized_equals_sequential(variant: str) -> None:
+    assert_vectorized_equals_sequential(PerFedAvg, variant=variant)
