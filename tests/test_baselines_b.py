@@ -332,3 +332,27 @@ def test_per_fedavg_evaluates_after_one_adaptation_step() -> None:
 @pytest.mark.parametrize("variant", ["fo", "hf"])
 def test_per_fedavg_vectorized_equals_sequential(variant: str) -> None:
     assert_vectorized_equals_sequential(PerFedAvg, variant=variant)
+
+
+# ----------------------------------------------------------------------------- all five
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (FedBN, BN),
+        (FedRoD, {}),
+        (MOON, {"projection_dim": 16}),
+        (PFedMe, {"local_lr": 0.05}),
+        (PerFedAvg, {"variant": "hf"}),
+    ],
+    ids=["FedBN", "FedRoD", "MOON", "PFedMe", "PerFedAvg"],
+)
+def test_recorded_rounds_give_the_eager_result_with_one_recording(
+    cls: type[FedBN], kwargs: dict[str, object]
+) -> None:
+    from tests.test_graphs import EagerRecorder, _assert_same, _final_state
+
+    eager = _final_state(cls, None, cuda_graphs=False, **kwargs)
+    recorded = _final_state(cls, EagerRecorder(), **kwargs)
+    _assert_same(eager, recorded)
+    graphs = recorded[2]
+    assert graphs is not None and graphs.recorded == 1 and graphs.replayed >= 3

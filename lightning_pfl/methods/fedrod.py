@@ -41,13 +41,10 @@ class FedRoD(FedAvg):
             raise ConfigError("FedRoD reads representations: use a network without batch norm.")
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))
         classes, dim = self.arch.shapes[weight]
-        self.store.add_field(
-            "personal_head",
-            {
-                f"{PERSONAL}weight": torch.zeros(classes, dim),
-                f"{PERSONAL}bias": torch.zeros(classes),
-            },
-        )
+        head = {"weight": torch.zeros(classes, dim), "bias": torch.zeros(classes)}
+        self.store.add_field("personal_head", {PERSONAL + n: t for n, t in head.items()})
+        # one object for every round: a recorded round (CUDA graph) is keyed by the loss
+        self.client_loss = self.rod_loss
 
     def class_counts(self, clients: Tensor) -> Tensor:
         """Training samples per class of ``clients``, ``[C, num_classes]``."""
@@ -72,7 +69,7 @@ class FedRoD(FedAvg):
             {**start, **head},
             clients,
             round_idx,
-            loss_fn=self.rod_loss,
+            loss_fn=self.client_loss,
             frozen={"class_counts": self.class_counts(clients)},
         )
         self.store.scatter("personal_head", clients, {n: result.params[n] for n in head})

@@ -70,6 +70,8 @@ class MOON(FedAvg):
             )
         self._projection = [copy.deepcopy(self.projection).to("meta")]  # off the module tree
         self.store.add_field("previous", self.global_state())
+        # one object for every round: a recorded round (CUDA graph) is keyed by the loss
+        self.client_loss = self.moon_loss
 
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
         h = self.hp
@@ -108,7 +110,7 @@ class MOON(FedAvg):
             {n: t.clone() for n, t in start.items()},
             clients,
             round_idx,
-            loss_fn=self.moon_loss,
+            loss_fn=self.client_loss,
             frozen=frozen,
         )
         self.store.scatter("previous", clients, result.params)

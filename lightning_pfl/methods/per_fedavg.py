@@ -70,6 +70,8 @@ class PerFedAvg(FedAvg):
         )
         if self.arch.stateful:
             raise ConfigError("Per-FedAvg: use a network without batch norm.")
+        # one object for every round: a recorded round (CUDA graph) is keyed by the loss
+        self.client_loss = self.maml_loss
 
     def maml_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
         h = self.hp
@@ -92,7 +94,7 @@ class PerFedAvg(FedAvg):
         return value.detach() + _linear_surrogate(params, outer)
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
-        return self.local_train(start, clients, round_idx, loss_fn=self.maml_loss)
+        return self.local_train(start, clients, round_idx, loss_fn=self.client_loss)
 
     def personalized_params(self, clients: Tensor) -> Params:
         """The global model after one step of size alpha on a batch of each client's data."""

@@ -100,6 +100,8 @@ class PFedMe(FedAvg):
             raise ConfigError("pFedMe: use a network without batch norm.")
         initial = self.arch.initial_params()
         self.store.add_field("theta", {THETA + n: t for n, t in initial.items()})
+        # one object for every round: a recorded round (CUDA graph) is keyed by the loss
+        self.client_loss = self.pfedme_loss
 
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
         """w <- w - beta (w - sum_i p_i w_i) = (1 - beta) w + beta sum_i p_i w_i."""
@@ -127,7 +129,7 @@ class PFedMe(FedAvg):
             ParamGroup(tuple(theta), SGDConfig(lr=1.0)),
         ]
         result = self.local_train(
-            {**start, **theta}, clients, round_idx, groups, loss_fn=self.pfedme_loss
+            {**start, **theta}, clients, round_idx, groups, loss_fn=self.client_loss
         )
         self.store.scatter("theta", clients, {n: result.params[n] for n in theta})
         return result
