@@ -356,3 +356,20 @@ def test_recorded_rounds_give_the_eager_result_with_one_recording(
     _assert_same(eager, recorded)
     graphs = recorded[2]
     assert graphs is not None and graphs.recorded == 1 and graphs.replayed >= 3
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "named"),
+    [
+        (PFedMe, {"lam": -1.0}, "lam"),
+        (PFedMe, {"inner_steps": 0}, "inner_steps"),
+        (PerFedAvg, {"alpha": 0.0}, "alpha"),
+        (MOON, {"temperature": 0.0}, "temperature"),
+        (MOON, {"mu": -0.1}, "mu"),
+    ],
+)
+def test_bad_values_are_refused_by_name(
+    cls: type[FedBN], kwargs: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"model.init_args.{named} ="):
+        build(cls, digits_data(4), **kwargs)
