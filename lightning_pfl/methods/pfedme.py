@@ -1,0 +1,139 @@
+"""pFedMe (Dinh, Tran & Nguyen, NeurIPS 2020): personalized FL with Moreau envelopes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import grad_and_value
+
+from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult, weighted_cross_entropy
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.validation import (
+    Momentum,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+)
+
+THETA = "theta."
+
+
+def moreau_solve(
+    f: Callable[[Params], Tensor], theta: Params, w: Params, lam: float, lr: float, steps: int
+) -> tuple[Params, Tensor]:
+    """``steps`` gradient steps on h(theta) = f(theta) + lam/2 ||theta - w||^2 from ``theta``.
+
+    Returns the last iterate (pFedMe's approximate theta_hat(w)) and f at the iterate before
+    the last step. Nothing is differentiated through the solve (the inputs are detached).
+    """
+    theta = {n: t.detach() for n, t in theta.items()}
+    w = {n: t.detach() for n, t in w.items()}
+    value = theta[next(iter(theta))].new_zeros(())
+    for _ in range(steps):
+        grads, value = grad_and_value(f)(theta)
+        theta = {n: t - lr * (grads[n] + lam * (t - w[n])) for n, t in theta.items()}
+    return theta, value.detach()
+
+
+def _linear_surrogate(params: Params, direction: Params) -> Tensor:
+    """A zero-valued loss whose gradient with respect to ``params`` is ``direction``."""
+    inner = sum((params[n] * d.detach()).sum() for n, d in direction.items())
+    return inner - inner.detach()  # type: ignore[union-attr]
+
+
+class PFedMe(FedAvg):
+    """pFedMe: each client's personalized model theta_i solves a Moreau-envelope problem.
+
+    Local step r of client i on a batch D: theta_i ~ argmin_theta f_i(theta; D) +
+    lambda/2 ||theta - w_{i,r}||^2 by K gradient steps of size ``personal_lr`` (warm-started
+    from the previous step's theta_i, from the received global model at the round's start);
+    then w_{i,r+1} = w_{i,r} - eta * lambda * (w_{i,r} - theta_i), an SGD step of size eta
+    (``local_lr``) on the Moreau envelope, whose gradient is lambda (w - theta_hat(w)). After R
+    local steps the client uploads w_i; the server sets w <- (1 - beta) w + beta * sum_i p_i w_i
+    (p_i: sample shares; FedAvg's pseudo-gradient step with server learning rate beta). A
+    client's personalized model is its last theta_i (the initial model before its first
+    round); ``train/loss`` is f_i at the last inner iterate.
+
+    Written on the engine: theta_i is trained next to w_i by one SGD group of lr 1 whose
+    "gradient" is theta_old - theta_new, so the inner solve runs inside the loss, without host
+    syncs, under vmap.
+
+    Args:
+        lam: regularization lambda (paper: 15).
+        personal_lr: inner step size of the theta solve (paper, MNIST: 0.1).
+        inner_steps: K inner steps per local step (paper: 5).
+        beta: server mixing beta (paper: 1; 2 also reported).
+        local_lr: eta, the local-model step size (paper, MNIST: 0.005).
+        local_momentum: momentum of the w update (paper: none).
+        local_weight_decay: weight decay of the w update (paper: none).
+        local_max_grad_norm: clip of lambda (w - theta) (paper: none).
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper, MNIST: R = 20 local
+            steps of batch 20).
+    """
+
+    def __init__(
+        self,
+        lam: PositiveFloat = 15.0,
+        personal_lr: PositiveFloat = 0.1,
+        inner_steps: PositiveInt = 5,
+        beta: PositiveFloat = 1.0,
+        local_lr: PositiveFloat = 0.005,
+        local_momentum: Momentum = 0.0,
+        local_weight_decay: NonNegativeFloat = 0.0,
+        local_max_grad_norm: PositiveFloat | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("server_lr", 1.0) != 1.0 or kwargs.get("server_momentum", 0.0) != 0.0:
+            raise ConfigError("pFedMe's server step is beta: set model.init_args.beta.")
+        super().__init__(
+            local_lr=local_lr,
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
+        if self.arch.stateful:
+            raise ConfigError("pFedMe: use a network without batch norm.")
+        initial = self.arch.initial_params()
+        self.store.add_field("theta", {THETA + n: t for n, t in initial.items()})
+        # one object for every round: a recorded round (CUDA graph) is keyed by the loss
+        self.client_loss = self.pfedme_loss
+
+    def configure_server_optimizer(self) -> torch.optim.Optimizer:
+        """w <- w - beta (w - sum_i p_i w_i) = (1 - beta) w + beta sum_i p_i w_i."""
+        return torch.optim.SGD(self.net.parameters(), lr=self.hp.beta)
+
+    def pfedme_loss(
+        self, params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+    ) -> Tensor:
+        h = self.hp
+        w = {n: params[n] for n in self.arch.shapes}
+        theta_old = {n: params[THETA + n] for n in self.arch.shapes}
+
+        def f(theta: Params) -> Tensor:
+            return weighted_cross_entropy(self.arch(theta, x, train=True), y, weight)
+
+        theta, value = moreau_solve(f, theta_old, w, h.lam, h.personal_lr, h.inner_steps)
+        direction = {n: h.lam * (w[n] - theta[n]) for n in w}  # grad of the Moreau envelope
+        direction |= {THETA + n: theta_old[n] - theta[n] for n in w}  # lr 1: theta_old -> theta
+        return value + _linear_surrogate(params, direction)
+
+    def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
+        theta = {THETA + n: t.clone() for n, t in start.items()}
+        groups = [
+            ParamGroup(tuple(start), self.local_sgd()),
+            ParamGroup(tuple(theta), SGDConfig(lr=1.0)),
+        ]
+        result = self.local_train(
+            {**start, **theta}, clients, round_idx, groups, loss_fn=self.client_loss
+        )
+        self.store.scatter("theta", clients, {n: result.params[n] for n in theta})
+        return result
+
+    def personalized_params(self, clients: Tensor) -> Params:
+        theta = self.store.gather("theta", clients, self.device)
+        return {n[len(THETA) :]: t for n, t in theta.items()}
