@@ -11,8 +11,14 @@ from lightning_pfl.methods.fedproto import (
     nearest_prototype_logits,
     prototype_regularized_loss,
 )
+from lightning_pfl.methods.pfedla import PFedLA
 from tests.conftest import build, digits_data
-from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_vectorized_equals_sequential,
+    capture_local_training,
+)
 
 
 # ----------------------------------------------------------------------------- FedProto
@@ -128,3 +134,48 @@ def test_fedpac_vectorized_equals_sequential() -> None:
 
 def test_fedpac_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedpac.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- pFedLA
+def test_pfedla_layer_weights_sum_to_one_per_layer() -> None:
+    dm = digits_data(5)
+    method = build(PFedLA, dm)
+    alpha = method.hnet(torch.tensor([0, 3, 4]))
+    assert alpha.shape == (3, len(method.layers), 5) and (alpha >= 0).all()
+    torch.testing.assert_close(alpha.sum(-1), torch.ones(3, len(method.layers)))
+    assert method.layers == ["conv1", "conv2", "fc1", "fc2"]
+
+
+def test_pfedla_hypernetwork_gradient_is_gradient_of_surrogate() -> None:
+    dm = digits_data(5)
+    method = build(PFedLA, dm, clients_per_round=2)
+    assert isinstance(method, PFedLA)
+    torch.manual_seed(1)
+    for t in method.store.fields["params"].values():
+        t.add_(0.1 * torch.randn_like(t))  # clients' models differ: alpha matters
+    models = {n: t.clone() for n, t in method.store.fields["params"].items()}
+    clients = torch.tensor([1, 3])
+    trained = capture_local_training(method)
+    method.run_round(0, clients)
+    got = [p.grad.clone() for p in method.hnet.parameters()]  # type: ignore[union-attr]
+    alpha = method.hnet(clients)
+    surrogate = torch.zeros(())
+    for n, theta in models.items():
+        layer = method.layer_of[n]
+        mixed = torch.einsum("cj,j...->c...", alpha[:, layer], theta)
+        delta = mixed.detach() - trained[0].params[n]
+        surrogate = surrogate + (mixed * delta).sum()
+    expected = torch.autograd.grad(surrogate, list(method.hnet.parameters()))
+    assert any(g.abs().sum() > 0 for g in expected)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+    for n in models:  # the trained models replace the clients' stored ones
+        torch.testing.assert_close(method.store.fields["params"][n][clients], trained[0].params[n])
+
+
+def test_pfedla_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(PFedLA)
+
+
+def test_pfedla_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "pfedla.yaml", tmp_path)
