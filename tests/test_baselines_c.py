@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedpac import FedPAC, combination_weights
 from lightning_pfl.methods.fedproto import (
     FedProto,
@@ -11,6 +12,7 @@ from lightning_pfl.methods.fedproto import (
     nearest_prototype_logits,
     prototype_regularized_loss,
 )
+from lightning_pfl.methods.fedu import FedU, laplacian_step
 from lightning_pfl.methods.pfedla import PFedLA
 from tests.conftest import build, digits_data
 from tests.helpers import (
@@ -179,3 +181,39 @@ def test_pfedla_vectorized_equals_sequential() -> None:
 
 def test_pfedla_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "pfedla.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- FedU
+def test_fedu_laplacian_step_on_a_hand_example() -> None:
+    models = {"w": torch.tensor([[0.0, 2.0], [4.0, 0.0], [8.0, 4.0]])}
+    a = torch.tensor([[5.0, 1.0, 0.5], [1.0, 0.0, 0.0], [0.5, 0.0, 0.0]])  # diagonal ignored
+    out = laplacian_step(models, a, 0.1)["w"]
+    # w0 - 0.1 * (1 * (w0 - w1) + 0.5 * (w0 - w2)) = w0 - 0.1 * ((-4, 2) + (-4, -1))
+    expected = torch.tensor([[0.8, 1.9], [3.6, 0.2], [7.6, 3.9]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_fedu_round_pulls_trained_models_together() -> None:
+    dm = digits_data(4)
+    method = build(FedU, dm, clients_per_round=3, lam=2.0)
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 1, 3])
+    method.run_round(0, clients)
+    stored = {n: t[clients] for n, t in method.store.fields["params"].items()}
+    expected = laplacian_step(trained[0].params, torch.ones(3, 3), 0.05 * 2.0)
+    for n in stored:
+        torch.testing.assert_close(stored[n], expected[n])
+    assert not torch.allclose(stored["fc2.weight"], trained[0].params["fc2.weight"])
+
+
+def test_fedu_refuses_a_wrong_graph() -> None:
+    with pytest.raises(ConfigError, match="adjacency"):
+        build(FedU, digits_data(4), adjacency=[[1.0, 1.0], [1.0, 1.0]])
+
+
+def test_fedu_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedU)
+
+
+def test_fedu_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedu.yaml", tmp_path)
