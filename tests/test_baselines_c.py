@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods.fedfomo import FedFomo, fomo_weights
 from lightning_pfl.methods.fedpac import FedPAC, combination_weights
 from lightning_pfl.methods.fedproto import (
     FedProto,
@@ -217,3 +218,54 @@ def test_fedu_vectorized_equals_sequential() -> None:
 
 def test_fedu_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedu.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- FedFomo
+def test_fedfomo_weights_on_a_hand_example() -> None:
+    own = torch.tensor([1.0, 0.5])
+    candidate = torch.tensor([[0.5, 2.0, 0.0], [0.7, 0.9, 0.6]])  # client 1: nothing helps
+    distance = torch.tensor([[1.0, 1.0, 4.0], [1.0, 1.0, 1.0]])
+    w = fomo_weights(own, candidate, distance)
+    # client 0: gains (0.5, 0 [negative], 1.0) / distances (1, 1, 4) = (0.5, 0, 0.25) -> /0.75
+    torch.testing.assert_close(w, torch.tensor([[2 / 3, 0.0, 1 / 3], [0.0, 0.0, 0.0]]))
+
+
+def test_fedfomo_round_combines_downloaded_models_by_their_weights() -> None:
+    dm = digits_data(5)
+    method = build(FedFomo, dm, clients_per_round=2, models_per_client=3)
+    assert isinstance(method, FedFomo)
+    torch.manual_seed(2)
+    for t in method.store.fields["params"].values():
+        t.add_(0.2 * torch.randn_like(t))
+    models = {n: t.clone() for n, t in method.store.fields["params"].items()}
+    clients = torch.tensor([0, 4])
+    chosen = method.choose_models(0, clients)
+    assert chosen.shape == (2, 3) and not (chosen == clients.unsqueeze(1)).any()
+    starts: list[dict[str, torch.Tensor]] = []
+    original = method.local_train
+
+    def spy(params, *args, **kwargs):  # type: ignore[no-untyped-def]
+        starts.append({n: t.clone() for n, t in params.items()})
+        return original(params, *args, **kwargs)
+
+    method.local_train = spy  # type: ignore[method-assign]
+    method.run_round(0, clients)
+    weights = method.affinity[clients.unsqueeze(1), chosen]  # P was zero: P_ij = w_ij
+    assert (weights >= 0).all()
+    rows = weights.sum(1)
+    assert all(r == pytest.approx(1.0) or r == 0 for r in rows.tolist())
+    for row, i in enumerate(clients.tolist()):
+        for n in ("fc1.weight", "fc2.bias"):
+            theta = models[n][i]
+            expected = theta + sum(
+                weights[row, k] * (models[n][j] - theta) for k, j in enumerate(chosen[row].tolist())
+            )
+            torch.testing.assert_close(starts[0][n][row], expected)
+
+
+def test_fedfomo_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedFomo, models_per_client=2)
+
+
+def test_fedfomo_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedfomo.yaml", tmp_path)
