@@ -139,7 +139,7 @@ class FedPAC(FedAvg):
         new, present = aggregate_prototypes(mean, counts, self.centroids, self.has_centroid)
         self.centroids.copy_(new)
         self.has_centroid.copy_(present)
-        body = {n: t for n, t in self.payload(clients).items()}
+        body = self.payload(clients)
         self.record_communication(
             down=body | combined | {"centroids": self.centroids.expand(len(clients), -1, -1)},
             up=body | heads | {"mu": mean, "counts": counts, "h": h, "v": v},
