@@ -1,0 +1,147 @@
+"""FedPAC (Xu, Tong & Huang, ICLR 2023): feature alignment and classifier collaboration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.optimize import minimize
+from torch import Tensor
+
+from lightning_pfl.engine import Params, TrainResult
+from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.methods.fedproto import (
+    aggregate_prototypes,
+    class_statistics,
+    feature_dim,
+    prototype_regularized_loss,
+)
+from lightning_pfl.validation import NonNegativeFloat, PositiveInt
+
+
+def combination_weights(h: Tensor, v: Tensor, eps: float = 1e-3) -> Tensor:
+    """FedPAC's classifier-combination weights, one row per client (the server's QP).
+
+    For client i: minimize alpha^T (diag(v) + D_i) alpha over the simplex, where
+    D_i[j, l] = sum_k (h_ik - h_jk) . (h_ik - h_lk) is the bias term and v_j the variance term.
+    Solved with SciPy's SLSQP; weights below ``eps`` are set to 0 and the rest renormalized
+    (the paper's code zeroes them too).
+
+    Args:
+        h: ``[C, K, D]`` per-client statistics h_ik = pi_ik * mu_ik (class prior times class
+            feature mean).
+        v: ``[C]`` per-client variance terms.
+        eps: threshold below which a weight is dropped.
+
+    Returns:
+        ``[C, C]`` weights alpha_ij, rows on the simplex.
+    """
+    hd, vd = h.double().cpu(), v.double().cpu()
+    c = len(vd)
+    rows = []
+    for i in range(c):
+        diff = (hd[i] - hd).flatten(1)  # [C, K*D]
+        p = (torch.diag(vd) + diff @ diff.T).numpy()
+        p = 0.5 * (p + p.T)
+        start = np.full(c, 1.0 / c)
+        solution = minimize(
+            lambda a, p=p: float(a @ p @ a),
+            start,
+            jac=lambda a, p=p: 2.0 * p @ a,
+            bounds=[(0.0, 1.0)] * c,
+            constraints=[{"type": "eq", "fun": lambda a: a.sum() - 1.0}],
+            method="SLSQP",
+            options={"ftol": 1e-12, "maxiter": 200},
+        )
+        alpha = np.clip(solution.x, 0.0, None)
+        alpha[alpha < eps] = 0.0
+        rows.append(alpha / alpha.sum() if alpha.sum() > 0 else np.eye(c)[i])
+    return torch.tensor(np.stack(rows), dtype=h.dtype, device=h.device)
+
+
+class FedPAC(FedAvg):
+    """FedPAC: a shared feature extractor aligned to global class centroids, and per-client
+    classifiers combined from the other clients' classifiers.
+
+    Round for the sampled clients: each client takes the global body theta and its own head
+    phi_i; it first trains the head alone (``head_epochs``, body frozen), then the body on
+    CE + lambda * ||f(x) - c_y||^2 / D with the head frozen (c_y: the global centroid of the label
+    from the previous round). It uploads the body, its head, its class centroids mu_ik with
+    counts, and its feature statistics h_ik = pi_ik mu_ik and
+    v_i = (sum_k pi_ik E||f(x)||^2_k - sum_k pi_ik^2 ||mu_ik||^2) / n_i. The server averages the
+    bodies (FedAvg), averages the centroids by class counts, and gives client i the head
+    sum_j alpha_ij phi_j with alpha_i solving the QP of :func:`combination_weights` over the
+    round's clients.
+
+    Args:
+        lam: weight lambda of the feature-alignment term (paper: 1).
+        head_epochs: local epochs of the classifier-only phase (paper: 1).
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: E = 5 body epochs,
+            lr 0.01, momentum 0.5, batch 50; the benchmark config keeps the shared setting).
+    """
+
+    def __init__(
+        self, lam: NonNegativeFloat = 1.0, head_epochs: PositiveInt = 1, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        k, d = self.hp.num_classes, feature_dim(self)
+        self.centroids: Tensor
+        self.has_centroid: Tensor
+        self.register_buffer("centroids", torch.zeros(k, d))
+        self.register_buffer("has_centroid", torch.zeros(k))
+        self.align_loss = prototype_regularized_loss(self.arch, lam)
+        self._statistics: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def personal_names(self) -> tuple[str, ...]:
+        return self.arch.head_names
+
+    def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
+        """Head phase (body frozen), then body phase with alignment (head frozen)."""
+        head = set(self.arch.head_names)
+        buffers = set(self.arch.buffer_shapes)
+        heads = {n: t for n, t in start.items() if n in head or n in buffers}
+        body = {n: t for n, t in start.items() if n not in head and n not in buffers}
+        batches = self.draw_batches(clients, round_idx, epochs=self.hp.head_epochs, phase=1)
+        first = self.local_train(heads, clients, round_idx, frozen=body, batches=batches)
+        c = len(clients)
+        centroids = {
+            "proto.value": self.centroids.expand(c, *self.centroids.shape),
+            "proto.present": self.has_centroid.expand(c, *self.has_centroid.shape),
+        }
+        trained_head = {n: first.params[n] for n in head}
+        state = {n: first.params[n] for n in buffers}
+        second = self.local_train(
+            body | state,
+            clients,
+            round_idx,
+            loss_fn=self.align_loss,
+            frozen=trained_head | centroids,
+        )
+        params = second.params | trained_head
+        self._statistics = class_statistics(self, params, clients)
+        return TrainResult(params, second.momentum, second.loss, second.steps, second.state)
+
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        loss = super().run_round(round_idx, clients)  # body FedAvg, trained heads kept
+        assert self._statistics is not None
+        sums, sq, counts = self._statistics
+        self._statistics = None
+        mean = sums / counts.clamp_min(1).unsqueeze(-1)  # mu_ik [C, K, D]
+        n = counts.sum(1, keepdim=True)  # [C, 1]
+        prior = counts / n  # pi_ik
+        v = ((sq / n).sum(1) - (prior**2 * (mean**2).sum(-1)).sum(1)) / n.squeeze(1)
+        h = prior.unsqueeze(-1) * mean
+        alpha = combination_weights(h, v)
+        heads = self.store.gather("personal", clients, self.device)
+        combined = {name: torch.einsum("ij,j...->i...", alpha, t) for name, t in heads.items()}
+        self.store.scatter("personal", clients, combined)
+        new, present = aggregate_prototypes(mean, counts, self.centroids, self.has_centroid)
+        self.centroids.copy_(new)
+        self.has_centroid.copy_(present)
+        body = self.payload(clients)
+        self.record_communication(
+            down=body | combined | {"centroids": self.centroids.expand(len(clients), -1, -1)},
+            up=body | heads | {"mu": mean, "counts": counts, "h": h, "v": v},
+        )
+        return loss

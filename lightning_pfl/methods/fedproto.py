@@ -1,0 +1,161 @@
+"""FedProto (Tan et al., AAAI 2022): clients share class prototypes, never model weights."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import vmap
+
+from lightning_pfl.engine import Architecture, LossFn, Params, weighted_cross_entropy
+from lightning_pfl.losses import weighted_mean
+from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.methods.local import Local
+from lightning_pfl.validation import NonNegativeFloat
+
+
+def feature_dim(method: FederatedMethod) -> int:
+    """Size of the representation ``arch.features`` returns (the classifier's input)."""
+    state = method.arch.initial_state()
+    with torch.no_grad():
+        z = method.arch.features(state, torch.zeros(1, *method.hp.input_shape))
+    return int(z.shape[-1])
+
+
+@torch.no_grad()
+def class_statistics(
+    method: FederatedMethod, params: Params, clients: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per client and class, over its whole training split, features in evaluation mode:
+    feature sums ``[C, K, D]``, sums of squared feature norms ``[C, K]`` and counts ``[C, K]``."""
+    data, k = method.data, method.hp.num_classes
+    features = vmap(method.arch.features)
+    sums = sq = counts = None
+    for index, weight in data.eval_blocks(clients, "train", method.hp.eval_batch_size):
+        x, y = data.fetch(index)
+        z = features(params, x).float()  # [C, b, D]
+        onehot = F.one_hot(y, k).float() * weight.unsqueeze(-1)  # [C, b, K]
+        s = torch.einsum("cbk,cbd->ckd", onehot, z)
+        q = torch.einsum("cbk,cb->ck", onehot, (z * z).sum(-1))
+        n = onehot.sum(1)
+        sums, sq, counts = (s, q, n) if sums is None else (sums + s, sq + q, counts + n)  # type: ignore[operator]
+    assert sums is not None and sq is not None and counts is not None
+    return sums, sq, counts
+
+
+def aggregate_prototypes(
+    local: Tensor, counts: Tensor, previous: Tensor, present: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Global prototypes C_k = sum_i n_ik C_ik / sum_i n_ik over the clients that have class k.
+
+    Args:
+        local: ``[C, K, D]`` client prototypes (rows of classes a client lacks are ignored).
+        counts: ``[C, K]`` the clients' class counts n_ik.
+        previous: ``[K, D]`` the current global prototypes, kept for classes no client has.
+        present: ``[K]`` 1.0 where ``previous`` holds a prototype.
+
+    Returns:
+        The new prototypes ``[K, D]`` and their presence mask ``[K]``.
+    """
+    total = counts.sum(0)  # [K]
+    mean = torch.einsum("ck,ckd->kd", counts, local) / total.clamp_min(1e-12).unsqueeze(-1)
+    seen = total > 0
+    return torch.where(seen.unsqueeze(-1), mean, previous), torch.maximum(present, seen.float())
+
+
+def prototype_regularized_loss(arch: Architecture, lam: float) -> LossFn:
+    """CE + lam * mean over the batch of ||f(x) - P_y||^2 / D (FedProto's and FedPAC's local loss).
+
+    ``frozen`` holds the model's frozen tensors plus ``proto.value`` ``[K, D]`` (P) and
+    ``proto.present`` ``[K]``; samples whose class has no prototype add no regularization.
+    The squared distance is averaged over the D feature dimensions (``nn.MSELoss``, as in
+    both papers' code).
+    """
+
+    def loss(
+        params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+    ) -> Tensor | tuple[Tensor, Params]:
+        model = {n: t for n, t in frozen.items() if not n.startswith("proto.")} | params
+        buffers = {n: model[n].clone() for n in arch.buffer_shapes}
+        z = arch.features({**model, **buffers}, x, train=True)
+        ce = weighted_cross_entropy(arch.classify(model, z), y, w)
+        target, mask = frozen["proto.value"][y], frozen["proto.present"][y]
+        distance = ((z.float() - target) ** 2).mean(-1) * mask
+        total = ce + lam * weighted_mean(distance, w)
+        return (total, buffers) if buffers else total
+
+    return loss
+
+
+def nearest_prototype_logits(z: Tensor, prototypes: Tensor, present: Tensor) -> Tensor:
+    """Logits -||z - P_k||^2; classes without a prototype rank below every other class."""
+    distance = ((z.float().unsqueeze(-2) - prototypes.float()) ** 2).sum(-1)
+    worst = distance.amax(-1, keepdim=True) + 1.0
+    return -torch.where(present.bool(), distance, worst)
+
+
+class FedProto(Local):
+    """FedProto: federated prototype learning.
+
+    Round: each sampled client i trains its own model (kept on the client, like
+    :class:`~lightning_pfl.methods.local.Local`) on CE + lambda * ||f_i(x) - C_y||^2 / D, with
+    C_y the global prototype of its label (no term for classes without one yet); it then
+    computes its prototypes C_ik = mean of f_i(x) over its class-k training samples and uploads
+    them with the counts n_ik. The server sets C_k = sum_i n_ik C_ik / sum_i n_ik over the
+    clients that have class k (classes no client of the round has keep their prototype).
+    Only prototypes (and class counts) are communicated.
+
+    Args:
+        lam: weight lambda of the prototype regularizer (paper: 1).
+        predict_by: ``prototype``: the class of the nearest global prototype (the paper's
+            inference); ``head``: the client model's own classifier.
+        **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod` (paper: local lr
+            0.01, batch 8, 1 local epoch, SGD; the benchmark config keeps the shared setting).
+    """
+
+    def __init__(
+        self,
+        lam: NonNegativeFloat = 1.0,
+        predict_by: Literal["head", "prototype"] = "prototype",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        k, d = self.hp.num_classes, feature_dim(self)
+        self.prototypes: Tensor
+        self.has_prototype: Tensor
+        self.register_buffer("prototypes", torch.zeros(k, d))
+        self.register_buffer("has_prototype", torch.zeros(k))
+        self.proto_loss = prototype_regularized_loss(self.arch, lam)
+
+    def prototype_payload(self, clients: Tensor) -> Params:
+        """The global prototypes and their mask, expanded to ``clients``."""
+        c = len(clients)
+        return {
+            "proto.value": self.prototypes.expand(c, *self.prototypes.shape),
+            "proto.present": self.has_prototype.expand(c, *self.has_prototype.shape),
+        }
+
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        sent = self.prototype_payload(clients)
+        params = self.store.gather("params", clients, self.device)
+        momentum = self.store.gather("momentum", clients, self.device)
+        result = self.local_train(
+            params, clients, round_idx, loss_fn=self.proto_loss, frozen=sent, momentum=momentum
+        )
+        self.store.scatter("params", clients, result.params)
+        self.store.scatter("momentum", clients, result.momentum)
+        sums, _, counts = class_statistics(self, result.params, clients)
+        local = sums / counts.clamp_min(1).unsqueeze(-1)
+        new, present = aggregate_prototypes(local, counts, self.prototypes, self.has_prototype)
+        self.prototypes.copy_(new)
+        self.has_prototype.copy_(present)
+        self.record_communication(down=sent, up={"prototypes": local, "counts": counts})
+        return result.loss
+
+    def predict(self, params: Params, x: Tensor) -> Tensor:
+        if self.hp.predict_by == "head":
+            return self.arch(params, x)
+        z = self.arch.features(params, x)
+        return nearest_prototype_logits(z, self.prototypes, self.has_prototype)

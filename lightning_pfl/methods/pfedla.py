@@ -1,0 +1,124 @@
+"""pFedLA (Ma et al., CVPR 2022): layer-wise personalized aggregation by server hypernetworks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pfl.engine import Params
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.validation import Momentum, PositiveFloat, PositiveInt
+
+
+class LayerWeightHyperNetworks(nn.Module):
+    """One small hypernetwork per client: alpha_i = softmax_j(HN_i(v_i)) for every layer.
+
+    HN_i is embedding v_i -> Linear-ReLU -> Linear-ReLU -> Linear to L x N logits; the parameters
+    of all N hypernetworks are stacked along a leading client dimension.
+    """
+
+    def __init__(self, num_clients: int, num_layers: int, embed_dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        n, e, h = num_clients, embed_dim, hidden_dim
+        self.num_layers = num_layers
+
+        def uniform(*shape: int, fan_in: int) -> nn.Parameter:
+            bound = 1.0 / math.sqrt(fan_in)
+            return nn.Parameter(torch.empty(n, *shape).uniform_(-bound, bound))
+
+        self.embedding = nn.Parameter(torch.randn(n, e))
+        self.w1, self.b1 = uniform(h, e, fan_in=e), uniform(h, fan_in=e)
+        self.w2, self.b2 = uniform(h, h, fan_in=h), uniform(h, fan_in=h)
+        self.w3, self.b3 = uniform(num_layers * n, h, fan_in=h), uniform(num_layers * n, fan_in=h)
+
+    def forward(self, clients: Tensor) -> Tensor:
+        """Aggregation weights ``[C, L, N]`` of ``clients``; each ``[c, l]`` row sums to one."""
+        z = self.embedding[clients]
+        z = torch.relu(torch.einsum("che,ce->ch", self.w1[clients], z) + self.b1[clients])
+        z = torch.relu(torch.einsum("cgh,ch->cg", self.w2[clients], z) + self.b2[clients])
+        logits = torch.einsum("coh,ch->co", self.w3[clients], z) + self.b3[clients]
+        return logits.view(len(clients), self.num_layers, -1).softmax(-1)
+
+
+class PFedLA(FederatedMethod):
+    """pFedLA: each client's model is a layer-wise mixture of every client's model.
+
+    The server keeps the latest model theta_j of every client j and one hypernetwork HN_i per
+    client. Round for sampled client i: alpha_i = HN_i(v_i) ``[L, N]`` (softmax over clients per
+    layer l); the server sends theta-bar_i^l = sum_j alpha_ij^l theta_j^l; the client trains it
+    (fresh optimizer) to theta~_i and uploads delta_i = theta-bar_i - theta~_i; the server stores
+    theta_i <- theta~_i and updates HN_i with the chain rule (pFedHN's rule):
+    grad phi_i = (d theta-bar_i / d phi_i)^T delta_i, the gradient of the surrogate
+    <theta-bar_i(phi_i), delta_i>. A client's personalized model is theta-bar_i.
+
+    A "layer" is a module (its weight and bias share one weight). The server SGD has no
+    momentum by default: a hypernetwork that is not sampled gets a zero gradient, which
+    momentum would turn into a step.
+
+    Args:
+        embed_dim: client embedding size (FL-bench's pFedLA: 100).
+        hidden_dim: hypernetwork width (FL-bench's pFedLA: 100).
+        hn_lr: server learning rate of the hypernetworks (FL-bench's pFedLA: 5e-3).
+        hn_momentum: server SGD momentum.
+        **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
+    """
+
+    def __init__(
+        self,
+        embed_dim: PositiveInt = 100,
+        hidden_dim: PositiveInt = 100,
+        hn_lr: PositiveFloat = 5e-3,
+        hn_momentum: Momentum = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if self.arch.stateful:
+            raise ConfigError(
+                "pFedLA mixes whole models layer by layer: use a network without batch norm."
+            )
+        names = list(self.arch.shapes)
+        self.layers = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names))
+        self.layer_of = {n: self.layers.index(n.rsplit(".", 1)[0]) for n in names}
+        with self.seeded_init():
+            self.hnet = LayerWeightHyperNetworks(
+                self.hp.num_clients, len(self.layers), embed_dim, hidden_dim
+            )
+        self.store.add_field("params", self.arch.initial_params())
+
+    def configure_server_optimizer(self) -> torch.optim.Optimizer:
+        h = self.hp
+        return torch.optim.SGD(self.hnet.parameters(), lr=h.hn_lr, momentum=h.hn_momentum)
+
+    def aggregate(self, alpha: Tensor, models: Params) -> Params:
+        """theta-bar_c^l = sum_j alpha_cj^l theta_j^l; ``alpha`` [C, L, N], ``models`` [N, ...]."""
+        return {
+            n: torch.einsum("cj,j...->c...", alpha[:, self.layer_of[n]], t)
+            for n, t in models.items()
+        }
+
+    def all_models(self) -> Params:
+        everyone = torch.arange(self.hp.num_clients, device=self.device)
+        return self.store.gather("params", everyone, self.device)
+
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        mixed = self.aggregate(self.hnet(clients), self.all_models())
+        sent = {n: t.detach() for n, t in mixed.items()}
+        result = self.local_train({n: t.clone() for n, t in sent.items()}, clients, round_idx)
+        delta = {n: sent[n] - result.params[n] for n in sent}
+        self.store.scatter("params", clients, result.params)
+        params = list(self.hnet.parameters())
+        grads = torch.autograd.grad(
+            list(mixed.values()), params, grad_outputs=[delta[n] for n in mixed]
+        )
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        self.record_communication(down=sent, up=delta)
+        return result.loss
+
+    def personalized_params(self, clients: Tensor) -> Params:
+        with torch.no_grad():
+            return self.aggregate(self.hnet(clients), self.all_models())
