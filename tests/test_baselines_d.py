@@ -1,0 +1,79 @@
+"""FML, FedPHP, HypCluster, MAPPER, PartialFed and kNN-Per: their math on hand examples."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch.func import grad
+
+from lightning_pfl.methods import FML
+from tests.conftest import build, digits_data
+from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential
+
+
+def bias_only(method: FML, bias: list[float]) -> dict[str, torch.Tensor]:
+    """Parameters whose logits are ``bias`` for every input (all weights zero)."""
+    params = {n: torch.zeros_like(t) for n, t in method.arch.initial_params().items()}
+    params["fc2.bias"] = torch.tensor(bias)
+    return params
+
+
+def kl(p: list[float], q: list[float]) -> float:
+    return sum(a * math.log(a / b) for a, b in zip(p, q, strict=True))
+
+
+def softmax(z: list[float]) -> list[float]:
+    e = [math.exp(v) for v in z]
+    return [v / sum(e) for v in e]
+
+
+# ----------------------------------------------------------------------------- FML
+def test_fml_losses_on_a_hand_example() -> None:
+    dm = digits_data(4)
+    method = build(FML, dm, alpha=0.3, beta=0.8)
+    meme_bias = [1.0, 0.0] + [-30.0] * 8  # classes 2..9 have probability ~0
+    private_bias = [0.0, 2.0] + [-30.0] * 8
+    meme, private = bias_only(method, meme_bias), bias_only(method, private_bias)
+    x, _ = dm.fetch(dm.index["train"].flat[:2])
+    y = torch.tensor([0, 1])
+    pm, pp = softmax(meme_bias), softmax(private_bias)
+    ce_meme = -(math.log(pm[0]) + math.log(pm[1])) / 2
+    ce_private = -(math.log(pp[0]) + math.log(pp[1])) / 2
+    l_local = 0.3 * ce_private + 0.7 * kl(pm, pp)  # KL(p_meme || p_local)
+    l_meme = 0.8 * ce_meme + 0.2 * kl(pp, pm)  # KL(p_local || p_meme)
+    params = {f"meme.{n}": t for n, t in meme.items()} | {
+        f"private.{n}": t for n, t in private.items()
+    }
+    w = torch.ones(2)
+    loss = method.mutual_loss(params, {}, x, y, w)
+    assert abs(float(loss) - (l_local + l_meme)) < 1e-4
+    # each model learns from its own loss only: the other model's prediction is a fixed target
+    g = grad(method.mutual_loss)(params, {}, x, y, w)
+    p_local = torch.tensor(pp)
+    onehot = torch.nn.functional.one_hot(y, 10).float()
+    expected = 0.3 * (p_local - onehot).mean(0) + 0.7 * (p_local - torch.tensor(pm))
+    torch.testing.assert_close(g["private.fc2.bias"], expected, atol=1e-5, rtol=1e-4)
+
+
+def test_fml_evaluates_the_private_model_and_uploads_the_meme() -> None:
+    dm = digits_data(4)
+    method = build(FML, dm, clients_per_round=2)
+    before = {n: t.clone() for n, t in method.store.fields["private"].items()}
+    method.run_round(0, torch.tensor([1, 3]))
+    private = method.personalized_params(torch.tensor([0, 1]))
+    for n, t in private.items():
+        assert torch.equal(t[0], before[n][0]), n  # not sampled: unchanged
+    assert not torch.equal(private["fc2.weight"][1], before["fc2.weight"][1])
+    assert not torch.equal(
+        private["fc2.weight"][1], method.net.fc2.weight.detach() - method.net.fc2.weight.grad
+    )
+
+
+def test_fml_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FML)
+
+
+def test_fml_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fml.yaml", tmp_path)
