@@ -8,9 +8,15 @@ from pathlib import Path
 import torch
 from torch.func import grad
 
-from lightning_pfl.methods import FML
+from lightning_pfl.methods import FML, FedPHP
+from lightning_pfl.methods.fedphp import history_weight, moving_average
 from tests.conftest import build, digits_data
-from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_vectorized_equals_sequential,
+    capture_local_training,
+)
 
 
 def bias_only(method: FML, bias: list[float]) -> dict[str, torch.Tensor]:
@@ -77,3 +83,42 @@ def test_fml_vectorized_equals_sequential() -> None:
 
 def test_fml_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fml.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- FedPHP
+def test_fedphp_moving_average_and_mixing_on_hand_numbers() -> None:
+    history = {"w": torch.tensor([[1.0, 2.0], [0.0, 0.0]])}
+    trained = {"w": torch.tensor([[3.0, 6.0], [4.0, -4.0]])}
+    out = moving_average(history, trained, torch.tensor([0.25, 1.0]))
+    torch.testing.assert_close(out["w"], torch.tensor([[2.5, 5.0], [0.0, 0.0]]))
+    mu = history_weight(torch.tensor([0.0, 2.0, 100.0]), 0.9, 0.5, 20)  # q T = 10
+    torch.testing.assert_close(mu, torch.tensor([0.0, 0.18, 0.9], dtype=torch.float64))
+    dm = digits_data(4)
+    method = build(FedPHP, dm, inherit=0.25)
+    start = {"w": torch.tensor([[4.0, 8.0]])}
+    hpm = {"w": torch.tensor([[0.0, 4.0]])}
+    torch.testing.assert_close(method.starting_point(start, hpm)["w"], torch.tensor([[3.0, 7.0]]))
+
+
+def test_fedphp_round_updates_the_history_model() -> None:
+    dm = digits_data(4)
+    method = build(FedPHP, dm, clients_per_round=2, total_rounds=4, lam=0.5)  # q T = 2
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 2])
+    method.run_round(0, clients)
+    for n, t in method.personalized_params(clients).items():  # z = 0: mu = 0, v = w
+        torch.testing.assert_close(t, trained[0].params[n])
+    before = method.personalized_params(clients)
+    method.run_round(1, clients)
+    for n, t in method.personalized_params(clients).items():  # z = 1: mu = 0.45
+        torch.testing.assert_close(t, 0.45 * before[n] + 0.55 * trained[1].params[n])
+    counts = method.store.fields["count"]["participations"]
+    assert counts.tolist() == [2.0, 0.0, 2.0, 0.0]
+
+
+def test_fedphp_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedPHP, inherit=0.5)
+
+
+def test_fedphp_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedphp.yaml", tmp_path)
