@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.func import grad
 
-from lightning_pfl.methods import FML, FedPHP
+from lightning_pfl.methods import FML, FedPHP, HypCluster
 from lightning_pfl.methods.fedphp import history_weight, moving_average
 from tests.conftest import build, digits_data
 from tests.helpers import (
@@ -122,3 +122,67 @@ def test_fedphp_vectorized_equals_sequential() -> None:
 
 def test_fedphp_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedphp.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- HypCluster
+def set_cluster_biases(method: HypCluster, biases: list[list[float]]) -> None:
+    """Cluster j predicts ``biases[j]`` for every input (all weights zero)."""
+    with torch.no_grad():
+        for p in method.clusters.values():
+            p.zero_()
+        method.clusters["fc2__bias"].copy_(torch.tensor(biases))
+
+
+def favouring(classes: set[int], strength: float = 5.0) -> list[float]:
+    return [strength if c in classes else 0.0 for c in range(10)]
+
+
+def test_hypcluster_assigns_each_client_its_lowest_loss_model() -> None:
+    dm = digits_data(6)
+    method = build(HypCluster, dm, num_hypotheses=3)
+    counts = dm.partition_counts()["train"]
+    classes = [set(counts[i].nonzero()[0].tolist()) for i in range(6)]
+    biases = [favouring(classes[0]), favouring(classes[1] - classes[0]), [0.0] * 10]
+    set_cluster_biases(method, biases)
+    clients = torch.arange(6)
+    expected = torch.zeros(6, 3, dtype=torch.float64)
+    for i in range(6):
+        for j, b in enumerate(biases):
+            p = softmax(b)
+            expected[i, j] = -sum(n * math.log(p[c]) for c, n in enumerate(counts[i])) / sum(
+                counts[i]
+            )
+    losses = method.cluster_losses(clients)
+    torch.testing.assert_close(losses.double(), expected, rtol=1e-5, atol=1e-5)
+    assert method.assign(clients).tolist() == expected.argmin(1).tolist()
+    assert method.assign(clients)[:2].tolist() == [0, 1]  # each favoured client takes its model
+
+
+def test_hypcluster_averages_each_cluster_over_its_members_only() -> None:
+    dm = digits_data(6)
+    method = build(HypCluster, dm, num_hypotheses=3)
+    counts = dm.partition_counts()["train"]
+    classes = [set(counts[i].nonzero()[0].tolist()) for i in range(6)]
+    first, second = classes[0] | classes[1], classes[3] | classes[4]
+    disfavoured = favouring(first | second, -5.0)
+    set_cluster_biases(method, [favouring(first), favouring(second), disfavoured])
+    clients = torch.tensor([0, 1, 3, 4])
+    cluster = method.assign(clients)
+    assert 0 in cluster.tolist() and 1 in cluster.tolist() and 2 not in cluster.tolist()
+    before = {n: t.clone() for n, t in method.models().items()}
+    trained = capture_local_training(method)
+    method.run_round(0, clients)
+    for p in method.clusters.values():  # the server step: lr 1, no momentum
+        p.data -= p.grad
+    n = dm.num_samples("train")[clients].double()
+    after = method.models()
+    for name, t in after.items():
+        for j in range(2):
+            w = n * (cluster == j)
+            mean = (w.view(-1, *[1] * (t.dim() - 1)) * trained[0].params[name].double()).sum(0)
+            torch.testing.assert_close(t[j], (mean / w.sum()).float(), msg=name)
+        assert torch.equal(t[2], before[name][2]), name  # no members: unchanged
+
+
+def test_hypcluster_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(HypCluster, num_hypotheses=3)
