@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.func import grad
 
-from lightning_pfl.methods import FML, FedPHP, HypCluster
+from lightning_pfl.methods import FML, MAPPER, FedPHP, HypCluster
 from lightning_pfl.methods.fedphp import history_weight, moving_average
 from tests.conftest import build, digits_data
 from tests.helpers import (
@@ -186,3 +186,60 @@ def test_hypcluster_averages_each_cluster_over_its_members_only() -> None:
 
 def test_hypcluster_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(HypCluster, num_hypotheses=3)
+
+
+# ----------------------------------------------------------------------------- MAPPER
+def test_mapper_gate_gradient_matches_the_closed_form() -> None:
+    dm = digits_data(4)
+    method = build(MAPPER, dm)
+    g = torch.Generator().manual_seed(0)
+    glob = {
+        n: t + 0.1 * torch.randn(t.shape, generator=g)
+        for n, t in method.arch.initial_params().items()
+    }
+    local = method.arch.initial_params()
+    x, y = dm.fetch(dm.index["train"].flat[:8])
+    w = torch.tensor([1.0] * 6 + [0.0] * 2)  # two padding samples
+    a = torch.tensor(0.7)
+    params = {f"global.{n}": t for n, t in glob.items()} | {
+        f"local.{n}": t for n, t in local.items()
+    }
+    params["gate"] = a
+    autograd = grad(method.mapper_loss)(params, {}, x, y, w)["gate"]
+    lam = torch.sigmoid(a)
+    p_local = torch.softmax(method.arch(local, x), -1)[torch.arange(8), y]
+    p_global = torch.softmax(method.arch(glob, x), -1)[torch.arange(8), y]
+    mix = lam * p_local + (1 - lam) * p_global
+    # d/da -log(sigmoid(a) p_l + (1 - sigmoid(a)) p_g) = -lambda (1 - lambda) (p_l - p_g) / mix
+    closed = (-(lam * (1 - lam)) * (p_local - p_global) / mix * w).sum() / w.sum()
+    torch.testing.assert_close(autograd, closed, rtol=1e-4, atol=1e-6)
+    assert abs(float(closed)) > 1e-4
+    # the prediction is the mixture of probabilities
+    predicted = method.predict(params, x).exp()
+    expected = lam * torch.softmax(method.arch(local, x), -1) + (1 - lam) * torch.softmax(
+        method.arch(glob, x), -1
+    )
+    torch.testing.assert_close(predicted, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_mapper_global_model_ignores_the_mixture() -> None:
+    dm = digits_data(4)
+    method = build(MAPPER, dm)
+    params = {f"global.{n}": t for n, t in method.arch.initial_params().items()}
+    params |= {f"local.{n}": t * 0.5 for n, t in method.arch.initial_params().items()}
+    params["gate"] = torch.tensor(0.3)
+    x, y = dm.fetch(dm.index["train"].flat[:8])
+    w = torch.ones(8)
+    g = grad(method.mapper_loss)(params, {}, x, y, w)
+    glob = {n[7:]: t for n, t in params.items() if n.startswith("global.")}
+    ce = grad(lambda p: torch.nn.functional.cross_entropy(method.arch(p, x), y))(glob)
+    for n, t in ce.items():
+        torch.testing.assert_close(g[f"global.{n}"], t, rtol=1e-4, atol=1e-6)
+
+
+def test_mapper_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(MAPPER, gate_lr=0.5)
+
+
+def test_mapper_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "mapper.yaml", tmp_path)
