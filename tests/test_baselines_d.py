@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from torch.func import grad
 
-from lightning_pfl.methods import FML, MAPPER, FedPHP, HypCluster
+from lightning_pfl.methods import FML, MAPPER, FedPHP, HypCluster, PartialFed
 from lightning_pfl.methods.fedphp import history_weight, moving_average
+from lightning_pfl.methods.partialfed import mix_layers
 from tests.conftest import build, digits_data
 from tests.helpers import (
     CONF,
@@ -243,3 +244,74 @@ def test_mapper_vectorized_equals_sequential() -> None:
 
 def test_mapper_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "mapper.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- PartialFed
+def shifted_global(method: PartialFed, by: float) -> None:
+    with torch.no_grad():
+        for p in method.net.parameters():
+            p.add_(by)
+
+
+def test_partialfed_global_choice_starts_from_the_global_model() -> None:
+    dm = digits_data(4)
+    method = build(PartialFed, dm, choice="global", local_lr=1e-30, local_weight_decay=0.0)
+    clients = torch.tensor([0, 1])
+    method.run_round(0, clients)  # lr 1e-30 changes no float32 value: kept = start
+    shifted_global(method, 1.0)  # now the global model differs from the kept local models
+    method.run_round(1, clients)
+    for name, p in method.net.named_parameters():
+        assert torch.equal(method.store.fields["local"][name][1], p.detach()), name
+
+
+def test_partialfed_local_choice_keeps_the_local_model() -> None:
+    dm = digits_data(4)
+    method = build(PartialFed, dm, choice="local", local_lr=1e-30, local_weight_decay=0.0)
+    clients = torch.tensor([0, 1])
+    first = {n: t.detach().clone() for n, t in method.net.named_parameters()}
+    method.run_round(0, clients)  # first round: no local model yet, the global one is loaded
+    shifted_global(method, 1.0)
+    method.run_round(1, clients)
+    for name, t in first.items():
+        assert torch.equal(method.store.fields["local"][name][1], t), name
+    never = method.personalized_params(torch.tensor([3]))  # never sampled: the global model
+    for name, p in method.net.named_parameters():
+        assert torch.equal(never[name][0], p.detach()), name
+
+
+def test_partialfed_selection_gradient_and_layer_mixing() -> None:
+    dm = digits_data(4)
+    method = build(PartialFed, dm)
+    glob = method.arch.initial_params()
+    local = {n: t + 0.2 * torch.randn_like(t) for n, t in glob.items()}
+    load = {layer: torch.tensor([0.25]) for layer in method.layers}
+    load["fc2"] = torch.tensor([1.0])
+    mixed = mix_layers(
+        {n: t[None] for n, t in glob.items()}, {n: t[None] for n, t in local.items()}, load
+    )
+    torch.testing.assert_close(mixed["fc2.weight"][0], glob["fc2.weight"])
+    torch.testing.assert_close(
+        mixed["conv1.bias"][0], 0.25 * glob["conv1.bias"] + 0.75 * local["conv1.bias"]
+    )
+    x, y = dm.fetch(dm.index["train"].flat[:8])
+    w = torch.ones(8)
+    beta = {layer: torch.tensor(0.4) for layer in method.layers}
+    frozen = {f"global.{n}": t for n, t in glob.items()} | {
+        f"local.{n}": t for n, t in local.items()
+    }
+    g_beta = grad(method.relaxed_loss)(beta, frozen, x, y, w)
+    s = torch.sigmoid(torch.tensor(0.4))
+    theta = {n: s * glob[n] + (1 - s) * local[n] for n in glob}
+    g_theta = grad(lambda p: torch.nn.functional.cross_entropy(method.arch(p, x), y))(theta)
+    for layer in method.layers:  # dL/dbeta_l = s (1 - s) sum_n <dL/dtheta_n, g_n - o_n>
+        names = [n for n in glob if n.rsplit(".", 1)[0] == layer]
+        closed = s * (1 - s) * sum((g_theta[n] * (glob[n] - local[n])).sum() for n in names)
+        torch.testing.assert_close(g_beta[layer], closed, rtol=1e-4, atol=1e-7)
+
+
+def test_partialfed_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(PartialFed, select_lr=1.0)
+
+
+def test_partialfed_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "partialfed.yaml", tmp_path)
