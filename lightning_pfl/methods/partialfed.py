@@ -1,4 +1,4 @@
-"""PartialFed (Sun et al., 2021): per-layer choice of loading the global or keeping the local layer."""
+"""PartialFed (Sun et al., 2021): per layer, load the global layer or keep the local one."""
 
 from __future__ import annotations
 
