@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from torch.func import grad
 
-from lightning_pfl.methods import FML, MAPPER, FedPHP, HypCluster, PartialFed
+from lightning_pfl.losses import interpolate_with_knn, knn_probabilities
+from lightning_pfl.methods import FML, MAPPER, FedPHP, HypCluster, KNNPer, PartialFed
 from lightning_pfl.methods.fedphp import history_weight, moving_average
 from lightning_pfl.methods.partialfed import mix_layers
 from tests.conftest import build, digits_data
@@ -315,3 +316,50 @@ def test_partialfed_vectorized_equals_sequential() -> None:
 
 def test_partialfed_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "partialfed.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- kNN-Per
+def test_knn_probabilities_and_interpolation_on_a_hand_example() -> None:
+    memory = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 3.0], [0.0, 0.1]])
+    labels = torch.tensor([0, 1, 1, 2])
+    mask = torch.tensor([True, True, True, False])  # the last entry is padding
+    queries = torch.tensor([[0.5, 0.0], [0.0, 0.0]])
+    p = knn_probabilities(queries, memory, labels, mask, 3, k=2, temperature=1.0)
+    # query 0: d^2 = 0.25, 0.25 (labels 0, 1); query 1: d^2 = 0, 1 (labels 0, 1)
+    near = 1 / (1 + math.exp(-1))
+    torch.testing.assert_close(p, torch.tensor([[0.5, 0.5, 0.0], [near, 1 - near, 0.0]]))
+    logits = torch.tensor([[0.0, 0.0, math.log(2.0)]] * 2)  # softmax = (1/4, 1/4, 1/2)
+    mixed = interpolate_with_knn(logits, p, 0.25).exp()
+    expected = torch.tensor(
+        [
+            [0.25 * 0.5 + 0.75 * 0.25, 0.25 * 0.5 + 0.75 * 0.25, 0.75 * 0.5],
+            [0.25 * near + 0.75 * 0.25, 0.25 * (1 - near) + 0.75 * 0.25, 0.75 * 0.5],
+        ]
+    )
+    torch.testing.assert_close(mixed, expected)
+
+
+def test_knn_per_interpolates_the_global_model_and_the_client_memory() -> None:
+    dm = digits_data(4)
+    clients = torch.tensor([0, 2])
+    x, y = dm.fetch(dm.index["train"].lookup(clients, torch.arange(20).expand(2, -1)))
+    model_only = build(KNNPer, dm, knn_weight=0.0)
+    params = model_only.personalized_params(clients)
+    assert params["memory.features"].shape[:2] == params["memory.mask"].shape
+    predicted = torch.vmap(model_only.predict)(params, x)
+    glob = model_only.global_state()
+    torch.testing.assert_close(
+        predicted, torch.log_softmax(model_only.arch(glob, x.flatten(0, 1)), -1).view(2, 20, -1)
+    )
+    memory_only = build(KNNPer, dm, knn_weight=1.0, neighbours=1)
+    params = memory_only.personalized_params(clients)
+    predicted = torch.vmap(memory_only.predict)(params, x)  # a stored sample is its own neighbour
+    assert torch.equal(predicted.argmax(-1), y)
+    other = torch.vmap(memory_only.predict)(
+        params, x.flip(0)
+    )  # client 2's memory has no class of 0
+    assert not torch.equal(other.argmax(-1), y.flip(0))
+
+
+def test_knn_per_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(KNNPer)
