@@ -54,7 +54,8 @@ class KNNPer(FedAvg):
             features.append(z.view(*index.shape, -1))
             labels.append(y)
             mask.append(weight > 0)
-        return dict(zip(MEMORY, (torch.cat(features, 1), torch.cat(labels, 1), torch.cat(mask, 1))))
+        stacked = (torch.cat(features, 1), torch.cat(labels, 1), torch.cat(mask, 1))
+        return dict(zip(MEMORY, stacked, strict=True))
 
     def personalized_params(self, clients: Tensor) -> Params:
         params = self.payload(clients)
