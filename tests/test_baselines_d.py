@@ -69,14 +69,18 @@ def test_fml_evaluates_the_private_model_and_uploads_the_meme() -> None:
     dm = digits_data(4)
     method = build(FML, dm, clients_per_round=2)
     before = {n: t.clone() for n, t in method.store.fields["private"].items()}
-    method.run_round(0, torch.tensor([1, 3]))
-    private = method.personalized_params(torch.tensor([0, 1]))
-    for n, t in private.items():
-        assert torch.equal(t[0], before[n][0]), n  # not sampled: unchanged
-    assert not torch.equal(private["fc2.weight"][1], before["fc2.weight"][1])
-    assert not torch.equal(
-        private["fc2.weight"][1], method.net.fc2.weight.detach() - method.net.fc2.weight.grad
-    )
+    trained = capture_local_training(method)
+    clients = torch.tensor([1, 3])
+    method.run_round(0, clients)
+    private = method.personalized_params(torch.tensor([0, 1, 3]))
+    n = dm.num_samples("train")[clients].double()
+    p = (n / n.sum()).view(-1, 1)
+    for name, t in private.items():
+        assert torch.equal(t[0], before[name][0]), name  # not sampled: unchanged
+        torch.testing.assert_close(t[1:], trained[0].params[f"private.{name}"])
+        meme = trained[0].params[f"meme.{name}"].double()
+        new_global = method.net.get_parameter(name).detach() - method.net.get_parameter(name).grad
+        torch.testing.assert_close(new_global, (p * meme.flatten(1)).sum(0).view_as(t[0]).float())
 
 
 def test_fml_vectorized_equals_sequential() -> None:
