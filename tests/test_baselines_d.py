@@ -106,6 +106,21 @@ def test_fedphp_moving_average_and_mixing_on_hand_numbers() -> None:
     torch.testing.assert_close(method.starting_point(start, hpm)["w"], torch.tensor([[3.0, 7.0]]))
 
 
+def test_fedphp_loss_on_a_hand_example() -> None:
+    dm = digits_data(4)
+    method = build(FedPHP, dm, lam=0.2, temperature=2.0)
+    student_bias = [1.0, 0.0] + [-30.0] * 8
+    teacher_bias = [0.0, 3.0] + [-30.0] * 8
+    student = bias_only(method, student_bias)
+    frozen = {f"hpm.{n}": t for n, t in bias_only(method, teacher_bias).items()}
+    x, _ = dm.fetch(dm.index["train"].flat[:2])
+    y = torch.tensor([0, 0])
+    ce = -math.log(softmax(student_bias)[0])
+    tempered = softmax([b / 2 for b in teacher_bias]), softmax([b / 2 for b in student_bias])
+    expected = 0.8 * ce + 0.2 * 4 * kl(*tempered)  # T^2 KL(p_hpm^T || p_local^T)
+    assert abs(float(method.php_loss(student, frozen, x, y, torch.ones(2))) - expected) < 1e-4
+
+
 def test_fedphp_round_updates_the_history_model() -> None:
     dm = digits_data(4)
     method = build(FedPHP, dm, clients_per_round=2, total_rounds=4, lam=0.5)  # q T = 2
