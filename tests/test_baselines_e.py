@@ -1,0 +1,102 @@
+"""FedGH, pFedLHN, PeFLL, FedAKT and pFedGP: their distinguishing math and engine checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods import FedGH
+from lightning_pfl.methods.fedgh import train_header
+from tests.conftest import build, digits_data
+from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential
+
+HETEROGENEOUS = {
+    "cnn": {"net": "digits_cnn", "share": 0.5},
+    "small": {"net": "small_cnn", "net_args": {"width": 32}, "share": 0.5},
+}
+
+
+# ----------------------------------------------------------------- FedGH
+def test_fedgh_server_header_training_reduces_cross_entropy_and_matches_one_sgd_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    reps = torch.randn(6, 5, generator=g)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    w, b = torch.randn(3, 5, generator=g) * 0.1, torch.zeros(3)
+
+    def ce(w: torch.Tensor, b: torch.Tensor) -> float:
+        return float(F.cross_entropy(reps @ w.T + b, labels))
+
+    w2, b2 = train_header(w, b, reps, labels, lr=0.1, epochs=20)
+    assert ce(w2, b2) < 0.5 * ce(w, b)
+    # One pair, one step: theta - lr * grad CE, by hand: grad_W = (softmax - onehot) r^T.
+    w1, b1 = train_header(w, b, reps[:1], labels[:1], lr=0.1)
+    residual = torch.softmax(reps[0] @ w.T + b, 0) - F.one_hot(labels[0], 3).float()
+    torch.testing.assert_close(w1, w - 0.1 * residual[:, None] * reps[0][None])
+    torch.testing.assert_close(b1, b - 0.1 * residual)
+
+
+def build_fedgh(**kwargs: Any) -> FedGH:
+    dm = digits_data(6)
+    defaults: dict[str, Any] = {"architectures": HETEROGENEOUS, "clients_per_round": 3}
+    method = build(FedGH, dm, **{**defaults, **kwargs})
+    assert isinstance(method, FedGH)
+    return method
+
+
+def test_fedgh_uploads_only_class_representations_and_the_server_trains_the_header() -> None:
+    method = build_fedgh()
+    clients = torch.tensor([0, 2, 5])
+    before = method.header.weight.detach().clone()
+    method.run_round(0, clients)
+    down, up = method._round_bytes
+    # 2 classes per client, d = 64 float32 each, plus an int64 class id each.
+    assert up == 3 * 2 * (64 * 4 + 8)
+    assert down == 3 * (10 * 64 + 10) * 4
+    model_bytes = min(
+        sum(t[0].numel() * t.element_size() for t in method.store.fields[f].values())
+        for f in method.store.fields
+    )
+    assert up < model_bytes
+    assert not torch.equal(method.header.weight, before)
+    # The uploaded means are those of the trained local models on the clients' data.
+    kind, rows = next(iter(method.groups.split(clients)))
+    members = clients[rows]
+    params = method.store.gather(f"model.{kind}", method.groups.row_of[members], method.device)
+    reps, counts = method.class_representations(method.groups.archs[kind], params, members)
+    x, y = method.data.fetch(next(method.data.eval_blocks(members[:1], "train", 10**6))[0][0])
+    z = method.groups.archs[kind].features({n: t[0] for n, t in params.items()}, x)
+    c = int(y[0])
+    torch.testing.assert_close(reps[0, c], z[y == c].mean(0), rtol=1e-4, atol=1e-5)
+    assert counts[0].sum() == len(y)
+
+
+def test_fedgh_clients_start_from_the_global_header() -> None:
+    from tests.helpers import capture_local_training
+
+    method = build_fedgh(local_lr=1e-9)
+    method.header.weight.data.fill_(0.25)
+    trained = capture_local_training(method)
+    method.run_round(0, torch.tensor([0, 1, 2]))
+    for result in trained:
+        weights = [
+            t for n, t in result.params.items() if n.endswith("weight") and t.shape[1:] == (10, 64)
+        ]
+        torch.testing.assert_close(weights[0], torch.full_like(weights[0], 0.25), atol=1e-6, rtol=0)
+
+
+def test_fedgh_refuses_architectures_without_a_shared_representation_size() -> None:
+    with pytest.raises(ConfigError, match="same shape"):
+        build_fedgh(architectures={"a": {"net": "digits_cnn"}, "b": {"net": "small_cnn"}})
+
+
+def test_fedgh_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedGH, architectures=HETEROGENEOUS)
+
+
+def test_fedgh_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedgh.yaml", tmp_path)
