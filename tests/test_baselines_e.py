@@ -10,10 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedGH
+from lightning_pfl.methods import FedGH, PFedLHN
 from lightning_pfl.methods.fedgh import train_header
+from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork
 from tests.conftest import build, digits_data
-from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_vectorized_equals_sequential,
+    capture_local_training,
+)
 
 HETEROGENEOUS = {
     "cnn": {"net": "digits_cnn", "share": 0.5},
@@ -76,8 +82,6 @@ def test_fedgh_uploads_only_class_representations_and_the_server_trains_the_head
 
 
 def test_fedgh_clients_start_from_the_global_header() -> None:
-    from tests.helpers import capture_local_training
-
     method = build_fedgh(local_lr=1e-9)
     method.header.weight.data.fill_(0.25)
     trained = capture_local_training(method)
@@ -100,3 +104,52 @@ def test_fedgh_vectorized_equals_sequential() -> None:
 
 def test_fedgh_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedgh.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------- pFedLHN
+def test_pfedlhn_each_layer_hypernetwork_generates_exactly_its_layer() -> None:
+    method = build(PFedLHN, digits_data(6))
+    assert isinstance(method, PFedLHN)
+    hnet = method.hnet
+    assert isinstance(hnet, LayerwiseHyperNetwork)
+    clients = torch.tensor([0, 3])
+    assert hnet.layer_names == ["conv1", "conv2", "fc1", "fc2"]
+    full = hnet(clients)
+    assert {n: tuple(t.shape[1:]) for n, t in full.items()} == method.arch.shapes
+    for name in hnet.layer_names:
+        out = hnet.layer(name)(clients)
+        assert sorted(out) == sorted(n for n in method.arch.shapes if n.startswith(name + "."))
+        for n, t in out.items():
+            assert torch.equal(t, full[n])
+    # Perturbing fc1's module changes fc1's tensors and nothing else.
+    with torch.no_grad():
+        for p in hnet.layer("fc1").body_parameters():
+            p.add_(0.1)
+    changed = {n for n, t in hnet(clients).items() if not torch.equal(t, full[n])}
+    assert changed == {"fc1.weight", "fc1.bias"}
+    # One shared embedding table: v_i is a single parameter the optimizer sees once.
+    assert len(hnet.embedding_parameters()) == 1
+    assert (
+        len(build(PFedLHN, digits_data(6), shared_embedding=False).hnet.embedding_parameters()) == 4
+    )
+
+
+def test_pfedlhn_server_gradient_is_the_gradient_of_the_delta_surrogate() -> None:
+    method = build(PFedLHN, digits_data(6), hn_max_grad_norm=None)
+    trained = capture_local_training(method)
+    clients = torch.tensor([1, 2, 4])
+    generated = {n: t.detach().clone() for n, t in method.hnet(clients).items()}
+    method.run_round(0, clients)
+    delta = {n: generated[n] - trained[0].params[n] for n in generated}
+    params = list(method.hnet.parameters())
+    theta = method.hnet(clients)
+    surrogate = sum((theta[n] * delta[n]).sum() for n in theta) / len(clients)
+    expected = torch.autograd.grad(surrogate, params)
+    for p, g in zip(params, expected, strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-7)
+    assert any(float(g.abs().sum()) > 0 for g in expected)
+
+
+def test_pfedlhn_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(PFedLHN)
