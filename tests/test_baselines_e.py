@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedGH, PFedLHN
+from lightning_pfl.methods import FedGH, PeFLL, PFedLHN
 from lightning_pfl.methods.fedgh import train_header
 from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork
 from tests.conftest import build, digits_data
@@ -153,3 +153,63 @@ def test_pfedlhn_server_gradient_is_the_gradient_of_the_delta_surrogate() -> Non
 
 def test_pfedlhn_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(PFedLHN)
+
+
+# ----------------------------------------------------------------- PeFLL
+def test_pefll_descriptor_is_permutation_invariant_and_ignores_padding() -> None:
+    method = build(PeFLL, digits_data(6))
+    assert isinstance(method, PeFLL)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 7, 1, 8, 8, generator=g), torch.randint(0, 10, (2, 7), generator=g)
+    weight = torch.ones(2, 7)
+    v = method.hnet.embedder(x, y, weight)
+    perm = torch.randperm(7, generator=g)
+    torch.testing.assert_close(method.hnet.embedder(x[:, perm], y[:, perm], weight), v)
+    padded = method.hnet.embedder(
+        torch.cat([x, torch.randn(2, 3, 1, 8, 8)], 1),
+        torch.cat([y, torch.zeros(2, 3, dtype=torch.long)], 1),
+        torch.cat([weight, torch.zeros(2, 3)], 1),
+    )
+    torch.testing.assert_close(padded, v)
+    assert not torch.allclose(v[0], v[1])
+
+
+def test_pefll_unseen_client_gets_a_model_without_a_gradient_step() -> None:
+    method = build(PeFLL, digits_data(6), clients_per_round=3)
+    for r in range(2):  # clients 4 and 5 never take part
+        method.run_round(r, torch.tensor([0, 1, 2]))
+    state = {n: t.clone() for n, t in method.state_dict().items()}
+    unseen = torch.tensor([4, 5])
+    with torch.inference_mode():  # no autograd at all: no local or server step is possible
+        models = method.personalized_params(unseen)
+    for n, t in method.state_dict().items():
+        assert torch.equal(t, state[n]), n
+    # h(e(S)) over the client's whole training data, the same as model_for on that data.
+    index, weight = next(method.data.eval_blocks(unseen, "train", 10**6))
+    x, y = method.data.fetch(index)
+    direct = method.model_for(x, y, weight)
+    for n in models:
+        torch.testing.assert_close(models[n], direct[n])
+    assert not torch.allclose(models["fc2.weight"][0], models["fc2.weight"][1])
+
+
+def test_pefll_gradient_flows_through_the_descriptor_into_the_embedding_network() -> None:
+    method = build(PeFLL, digits_data(6), hn_max_grad_norm=None)
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 3])
+    x, y, w = method.descriptor_batches(clients, 0)
+    generated = {n: t.detach().clone() for n, t in method.hnet(x, y, w).items()}
+    method.run_round(0, clients)
+    delta = {n: generated[n] - trained[0].params[n] for n in generated}
+    theta = method.hnet(x, y, w)
+    surrogate = sum((theta[n] * delta[n]).sum() for n in theta) / len(clients)
+    psi = method.hnet.embedding_parameters()
+    expected = torch.autograd.grad(surrogate, psi)
+    for p, g in zip(psi, expected, strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-8)
+    assert float(sum(g.abs().sum() for g in expected)) > 0
+
+
+def test_pefll_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(PeFLL)
