@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedGH, PeFLL, PFedLHN
+from lightning_pfl.methods import FedAKT, FedGH, PeFLL, PFedLHN
 from lightning_pfl.methods.fedgh import train_header
 from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork
 from tests.conftest import build, digits_data
@@ -213,3 +213,81 @@ def test_pefll_gradient_flows_through_the_descriptor_into_the_embedding_network(
 
 def test_pefll_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(PeFLL)
+
+
+# ----------------------------------------------------------------- FedAKT
+ADAPTER = {"net": "small_cnn", "net_args": {"width": 32}}
+
+
+def build_fedakt(**kwargs: Any) -> FedAKT:
+    defaults: dict[str, Any] = {
+        "architectures": HETEROGENEOUS,
+        "adapter": ADAPTER,
+        "clients_per_round": 3,
+        "distill_weight": 0.5,
+    }
+    method = build(FedAKT, digits_data(6), **{**defaults, **kwargs})
+    assert isinstance(method, FedAKT)
+    return method
+
+
+def test_fedakt_loss_is_dual_use_cross_entropy_plus_mutual_feature_distillation() -> None:
+    method = build_fedakt()
+    arch = method.groups.archs["small"]
+    model = arch.initial_params()
+    shared = {n: p.detach() for n, p in method.adapter.named_parameters() if p.requires_grad}
+    x, y = method.data.fetch(torch.arange(12))
+    w = torch.ones(12)
+    params = {f"model.{n}": t.clone().requires_grad_() for n, t in model.items()}
+    params |= {f"adapter.{n}": t.clone().requires_grad_() for n, t in shared.items()}
+    loss = method.losses["small"](params, {}, x, y, w)
+    z = arch.features(model, x)
+    za = method.adapter_arch.features(shared, x)
+    head = model["fc.weight"], model["fc.bias"]
+    expected = (
+        F.cross_entropy(z @ head[0].T + head[1], y)
+        + F.cross_entropy(za @ head[0].T + head[1], y)
+        + 0.5 * ((z - za) ** 2).mean()
+    )
+    torch.testing.assert_close(loss, expected)
+    # Mutual: the distillation term moves both extractors (and the header gets both views).
+    no_distill = build_fedakt(distill_weight=0.0).losses["small"](params, {}, x, y, w)
+    distill = torch.autograd.grad(loss - no_distill, list(params.values()), allow_unused=True)
+    moved = {
+        n for n, g in zip(params, distill, strict=True) if g is not None and g.abs().sum() > 1e-4
+    }
+    assert "model.conv1.weight" in moved and "adapter.conv1.weight" in moved
+    assert "model.fc.weight" not in moved
+
+
+def test_fedakt_only_the_adapter_extractor_travels_and_is_averaged() -> None:
+    method = build_fedakt()
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 2, 5])
+    method.run_round(0, clients)
+    extractor = {n: p for n, p in method.adapter.named_parameters() if p.requires_grad}
+    assert "fc.weight" not in extractor
+    size = sum(p.numel() * 4 for p in extractor.values())
+    assert method._round_bytes == [3 * size, 3 * size]
+    weights = method.client_weights(clients)
+    stacked = {n: torch.zeros(3, *p.shape) for n, p in extractor.items()}
+    for kind, rows in method.groups.split(clients):
+        result = trained[[k for k, _ in method.groups.split(clients)].index(kind)]
+        for n in stacked:
+            stacked[n][rows] = result.params[f"adapter.{n}"]
+    for n, p in extractor.items():
+        mean = (weights.float().view(-1, *[1] * p.dim()) * stacked[n]).sum(0)
+        torch.testing.assert_close(p.detach() - p.grad, mean, rtol=1e-5, atol=1e-6)
+
+
+def test_fedakt_refuses_an_adapter_of_another_representation_size() -> None:
+    with pytest.raises(ConfigError, match="representation size"):
+        build_fedakt(adapter={"net": "small_cnn", "net_args": {"width": 8}})
+
+
+def test_fedakt_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedAKT, architectures=HETEROGENEOUS, adapter=ADAPTER)
+
+
+def test_fedakt_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedakt.yaml", tmp_path)

@@ -44,7 +44,91 @@ def train_header(
     return w.to(weight.dtype), b.to(bias.dtype)
 
 
-class FedGH(FederatedMethod):
+class HeterogeneousModels(FederatedMethod):
+    """Base of methods whose clients keep whole models of per-client architectures.
+
+    Client architectures are named groups in ``architectures`` (see
+    :mod:`lightning_pfl.assignment`; default: every client uses ``net``); each client's model
+    (parameters and buffers) lives in the client store under ``model.<group>``. Every header
+    (the last linear layer) must map the same representation size d to the classes, so that
+    something of size d can be shared. Clients of one architecture train together (one vmap
+    each) and their accuracy is also reported as ``<split>/arch_<name>/acc``. A client's
+    personalized model is its own model as last trained.
+
+    Args:
+        architectures: client architecture groups (default: every client uses ``net``).
+        **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
+    """
+
+    def __init__(self, architectures: dict[str, dict[str, Any]] | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        h = self.hp
+        default = {"net": {"net": h.net, "net_args": h.net_args or {}}}
+        with self.seeded_init():
+            self.groups = NetworkGroups(
+                architectures or default,
+                h.num_clients,
+                tuple(h.input_shape),
+                h.num_classes,
+                h.seed,
+                "model.init_args.architectures",
+            )
+        self.header_names: dict[str, tuple[str, str]] = {}
+        shapes = set()
+        for kind, arch in self.groups.archs.items():
+            names = sorted(arch.head_names, key=lambda n: not n.endswith("weight"))
+            if len(names) != 2 or len(arch.shapes[names[0]]) != 2:
+                raise ConfigError(
+                    f"{type(self).__name__}: the header of '{kind}' must be one nn.Linear."
+                )
+            self.header_names[kind] = (names[0], names[1])
+            shapes.add(arch.shapes[names[0]])
+            members = self.groups.members(kind)
+            self.store.add_field(f"model.{kind}", arch.initial_state(), len(members))
+        if len(shapes) != 1:
+            raise ConfigError(
+                f"{type(self).__name__}: every client architecture must end in a header of the "
+                f"same shape [classes, d] (a shared representation size d); got {sorted(shapes)}."
+            )
+        self.representation_size = next(iter(shapes))[1]
+
+    def client_groups(self) -> dict[str, Tensor]:
+        return self.groups.client_groups("arch")
+
+    def gather_models(self, kind: str, clients: Tensor) -> Params:
+        """The stored models of ``clients`` (all of group ``kind``)."""
+        return self.store.gather(f"model.{kind}", self.groups.row_of[clients.cpu()], self.device)
+
+    def scatter_models(self, kind: str, clients: Tensor, models: Params) -> None:
+        """Store the models of ``clients`` (all of group ``kind``); extra keys are ignored."""
+        field = self.store.fields[f"model.{kind}"]
+        kept = {n: models[n] for n in field}
+        self.store.scatter(f"model.{kind}", self.groups.row_of[clients.cpu()], kept)
+
+    # ----------------------------------------------------------------- evaluation
+    def personalized_params(self, clients: Tensor) -> Params:
+        kinds = list(self.groups.split(clients))
+        if len(kinds) != 1:
+            raise ValueError("personalized_params takes clients of one architecture group")
+        kind = kinds[0][0]
+        return {f"{kind}.{n}": t for n, t in self.gather_models(kind, clients).items()}
+
+    def predict(self, params: Params, x: Tensor) -> Tensor:
+        kind = next(iter(params)).split(".", 1)[0]
+        prefix = len(kind) + 1
+        return self.groups.archs[kind]({n[prefix:]: t for n, t in params.items()}, x)
+
+    @torch.no_grad()
+    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
+        """As the base class, one architecture group at a time."""
+        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
+        for _, rows in self.groups.split(clients):
+            for total, part in zip(out, super().evaluate(clients[rows], split), strict=True):
+                total[rows] = part
+        return out  # type: ignore[return-value]
+
+
+class FedGH(HeterogeneousModels):
     """FedGH: every client keeps its own (possibly different) model; only the header is global.
 
     Round (Algorithm 1): the server sends the global header theta (a Linear(d, C) on the
@@ -76,33 +160,8 @@ class FedGH(FederatedMethod):
         header_epochs: NonNegativeInt = 1,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(architectures, **kwargs)
         h = self.hp
-        default = {"net": {"net": h.net, "net_args": h.net_args or {}}}
-        with self.seeded_init():
-            self.groups = NetworkGroups(
-                architectures or default,
-                h.num_clients,
-                tuple(h.input_shape),
-                h.num_classes,
-                h.seed,
-                "model.init_args.architectures",
-            )
-        self.header_names: dict[str, tuple[str, str]] = {}
-        shapes = set()
-        for kind, arch in self.groups.archs.items():
-            names = sorted(arch.head_names, key=lambda n: not n.endswith("weight"))
-            if len(names) != 2 or len(arch.shapes[names[0]]) != 2:
-                raise ConfigError(f"FedGH: the header of '{kind}' must be one nn.Linear.")
-            self.header_names[kind] = (names[0], names[1])
-            shapes.add(arch.shapes[names[0]])
-            members = self.groups.members(kind)
-            self.store.add_field(f"model.{kind}", arch.initial_state(), len(members))
-        if len(shapes) != 1:
-            raise ConfigError(
-                "FedGH: every client architecture must end in a header of the same shape "
-                f"[classes, d] (a shared representation size d); got {sorted(shapes)}."
-            )
         first = next(iter(self.groups.archs))
         init = self.groups.archs[first].initial_params()
         weight_name, bias_name = self.header_names[first]
@@ -114,9 +173,6 @@ class FedGH(FederatedMethod):
             kind: cross_entropy_loss(arch) for kind, arch in self.groups.archs.items()
         }
 
-    def client_groups(self) -> dict[str, Tensor]:
-        return self.groups.client_groups("arch")
-
     # ----------------------------------------------------------------- the round
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         h = self.hp
@@ -127,8 +183,7 @@ class FedGH(FederatedMethod):
         counts = torch.zeros(len(clients), h.num_classes, device=self.device)
         for kind, rows in self.groups.split(clients):
             members, arch = clients[rows], self.groups.archs[kind]
-            store_rows = self.groups.row_of[members.cpu()]
-            params = self.store.gather(f"model.{kind}", store_rows, self.device)
+            params = self.gather_models(kind, members)
             weight_name, bias_name = self.header_names[kind]
             params[weight_name] = self.header.weight.detach().expand(len(rows), -1, -1).clone()
             params[bias_name] = self.header.bias.detach().expand(len(rows), -1).clone()
@@ -140,7 +195,7 @@ class FedGH(FederatedMethod):
                 batches=batches.select(rows),
                 arch=arch,
             )
-            self.store.scatter(f"model.{kind}", store_rows, result.params)
+            self.scatter_models(kind, members, result.params)
             losses[rows] = result.loss
             reps[rows], counts[rows] = self.class_representations(arch, result.params, members)
         present = counts > 0  # the server's one look at what was uploaded
@@ -176,26 +231,3 @@ class FedGH(FederatedMethod):
             counts += onehot.sum(1)
         assert sums is not None, "every client has training data"
         return sums / counts.clamp_min(1).unsqueeze(-1), counts
-
-    # ----------------------------------------------------------------- evaluation
-    def personalized_params(self, clients: Tensor) -> Params:
-        kinds = list(self.groups.split(clients))
-        if len(kinds) != 1:
-            raise ValueError("personalized_params takes clients of one architecture group")
-        kind = kinds[0][0]
-        params = self.store.gather(f"model.{kind}", self.groups.row_of[clients.cpu()], self.device)
-        return {f"{kind}.{n}": t for n, t in params.items()}
-
-    def predict(self, params: Params, x: Tensor) -> Tensor:
-        kind = next(iter(params)).split(".", 1)[0]
-        prefix = len(kind) + 1
-        return self.groups.archs[kind]({n[prefix:]: t for n, t in params.items()}, x)
-
-    @torch.no_grad()
-    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
-        """As the base class, one architecture group at a time."""
-        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
-        for _, rows in self.groups.split(clients):
-            for total, part in zip(out, super().evaluate(clients[rows], split), strict=True):
-                total[rows] = part
-        return out  # type: ignore[return-value]
