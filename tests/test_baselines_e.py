@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedAKT, FedGH, PeFLL, PFedLHN
+from lightning_pfl.methods import FedAKT, FedGH, PeFLL, PFedGP, PFedLHN
 from lightning_pfl.methods.fedgh import train_header
+from lightning_pfl.methods.pfedgp import gp_negative_log_likelihood, gp_posterior_mean
 from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork
 from tests.conftest import build, digits_data
 from tests.helpers import (
@@ -291,3 +292,72 @@ def test_fedakt_vectorized_equals_sequential() -> None:
 
 def test_fedakt_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedakt.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------- pFedGP
+def test_pfedgp_posterior_mean_and_likelihood_match_the_closed_form() -> None:
+    g = torch.Generator().manual_seed(0)
+    z, z_test = (
+        torch.randn(5, 3, generator=g, dtype=torch.float64),
+        torch.randn(2, 3, dtype=torch.float64),
+    )
+    y = torch.tensor([0, 1, 1, 2, 0])
+    w = torch.ones(5, dtype=torch.float64)
+    ell, s2 = 0.7, 0.2
+    sq = ((z[:, None] - z[None]) ** 2).sum(-1)
+    k = torch.exp(-sq / (2 * ell**2))
+    k_star = torch.exp(-((z_test[:, None] - z[None]) ** 2).sum(-1) / (2 * ell**2))
+    targets = F.one_hot(y, 3).double()
+    expected = k_star @ torch.linalg.inv(k + s2 * torch.eye(5, dtype=torch.float64)) @ targets
+    mean = gp_posterior_mean(z, y, w, z_test, 3, ell, s2)
+    torch.testing.assert_close(mean, expected)
+    normal = torch.distributions.MultivariateNormal(
+        torch.zeros(5, dtype=torch.float64), k + s2 * torch.eye(5, dtype=torch.float64)
+    )
+    log_likelihood = sum(normal.log_prob(targets[:, c]) for c in range(3))
+    torch.testing.assert_close(gp_negative_log_likelihood(z, y, w, 3, ell, s2), -log_likelihood / 5)
+    # Padding points change neither the posterior nor the likelihood.
+    zp = torch.cat([z, torch.randn(3, 3, dtype=torch.float64)])
+    yp, wp = (
+        torch.cat([y, torch.tensor([1, 1, 1])]),
+        torch.cat([w, torch.zeros(3, dtype=torch.float64)]),
+    )
+    torch.testing.assert_close(gp_posterior_mean(zp, yp, wp, z_test, 3, ell, s2), expected)
+    torch.testing.assert_close(
+        gp_negative_log_likelihood(zp, yp, wp, 3, ell, s2), -log_likelihood / 5
+    )
+
+
+def test_pfedgp_predicts_with_each_clients_own_gp_and_shares_only_the_extractor() -> None:
+    method = build(PFedGP, digits_data(6), clients_per_round=3)
+    assert isinstance(method, PFedGP)
+    clients = torch.tensor([0, 4])
+    method.run_round(0, torch.tensor([0, 1, 4]))
+    assert "fc2.weight" not in method.payload(clients)
+    size = sum(p.numel() * 4 for n, p in method.net.named_parameters() if not n.startswith("fc2"))
+    assert method._round_bytes == [3 * size, 3 * size]
+    params = method.personalized_params(clients)
+    index, weight = next(method.data.eval_blocks(clients, "train", 10**6))
+    x, y = method.data.fetch(index)
+    net = {n: t[1] for n, t in params.items() if not n.startswith("gp.")}
+    count = int(weight[1].sum())
+    z = method.extractor(net, x[1, :count]).double()
+    x_test, _ = method.data.fetch(next(method.data.eval_blocks(clients, "test", 10**6))[0][1])
+    expected = gp_posterior_mean(
+        z,
+        y[1, :count],
+        torch.ones(count, dtype=torch.float64),
+        method.extractor(net, x_test).double(),
+        10,
+        0.5,
+        0.1,
+    )
+    logits = method.predict({n: t[1] for n, t in params.items()}, x_test)
+    torch.testing.assert_close(logits, expected.float(), rtol=1e-4, atol=1e-5)
+    # Client 1's GP only knows its own two classes: every other class has mean 0.
+    own = set(y[1, :count].tolist())
+    assert torch.all(logits[:, [c for c in range(10) if c not in own]].abs() < 1e-6)
+
+
+def test_pfedgp_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(PFedGP)
