@@ -361,3 +361,7 @@ def test_pfedgp_predicts_with_each_clients_own_gp_and_shares_only_the_extractor(
 
 def test_pfedgp_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(PFedGP)
+
+
+def test_pfedlhn_resume_is_exact_with_the_shared_embedding(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "pfedlhn.yaml", tmp_path)
