@@ -1,0 +1,233 @@
+"""FedGH (Yi et al., ACM MM 2023): heterogeneous models share a generalized global header."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import vmap
+
+from lightning_pfl.assignment import NetworkGroups
+from lightning_pfl.datamodule import Split
+from lightning_pfl.engine import Architecture, LossFn, Params, cross_entropy_loss
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.validation import NonNegativeInt, PositiveFloat
+
+
+def train_header(
+    weight: Tensor, bias: Tensor, reps: Tensor, labels: Tensor, lr: float, epochs: int = 1
+) -> tuple[Tensor, Tensor]:
+    """The server's header training: theta <- theta - eta_theta grad CE(H(R_k^s; theta), s).
+
+    One SGD step per uploaded (class-mean representation, class) pair, in upload order (client
+    by client, class by class, the paper's Algorithm 1), repeated ``epochs`` times.
+
+    Args:
+        weight, bias: the global header H = Linear(d, C) (``[C, d]``, ``[C]``).
+        reps: class-mean representations R_k^s, ``[P, d]``.
+        labels: their classes s, ``[P]``.
+        lr: eta_theta.
+        epochs: passes over the pairs.
+    """
+    w, b = weight.detach().float(), bias.detach().float()
+    with torch.enable_grad():
+        for _ in range(epochs):
+            for r, s in zip(reps.float(), labels, strict=True):
+                w.requires_grad_(True)
+                b.requires_grad_(True)
+                loss = F.cross_entropy((r @ w.T + b)[None], s[None])
+                gw, gb = torch.autograd.grad(loss, [w, b])
+                w, b = (w - lr * gw).detach(), (b - lr * gb).detach()
+    return w.to(weight.dtype), b.to(bias.dtype)
+
+
+class HeterogeneousModels(FederatedMethod):
+    """Base of methods whose clients keep whole models of per-client architectures.
+
+    Client architectures are named groups in ``architectures`` (see
+    :mod:`lightning_pfl.assignment`; default: every client uses ``net``); each client's model
+    (parameters and buffers) lives in the client store under ``model.<group>``. Every header
+    (the last linear layer) must map the same representation size d to the classes, so that
+    something of size d can be shared. Clients of one architecture train together (one vmap
+    each) and their accuracy is also reported as ``<split>/arch_<name>/acc``. A client's
+    personalized model is its own model as last trained.
+
+    Args:
+        architectures: client architecture groups (default: every client uses ``net``).
+        **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
+    """
+
+    def __init__(self, architectures: dict[str, dict[str, Any]] | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        h = self.hp
+        default = {"net": {"net": h.net, "net_args": h.net_args or {}}}
+        with self.seeded_init():
+            self.groups = NetworkGroups(
+                architectures or default,
+                h.num_clients,
+                tuple(h.input_shape),
+                h.num_classes,
+                h.seed,
+                "model.init_args.architectures",
+            )
+        self.header_names: dict[str, tuple[str, str]] = {}
+        shapes = set()
+        for kind, arch in self.groups.archs.items():
+            names = sorted(arch.head_names, key=lambda n: not n.endswith("weight"))
+            if len(names) != 2 or len(arch.shapes[names[0]]) != 2:
+                raise ConfigError(
+                    f"{type(self).__name__}: the header of '{kind}' must be one nn.Linear."
+                )
+            self.header_names[kind] = (names[0], names[1])
+            shapes.add(arch.shapes[names[0]])
+            members = self.groups.members(kind)
+            self.store.add_field(f"model.{kind}", arch.initial_state(), len(members))
+        if len(shapes) != 1:
+            raise ConfigError(
+                f"{type(self).__name__}: every client architecture must end in a header of the "
+                f"same shape [classes, d] (a shared representation size d); got {sorted(shapes)}."
+            )
+        self.representation_size = next(iter(shapes))[1]
+
+    def client_groups(self) -> dict[str, Tensor]:
+        return self.groups.client_groups("arch")
+
+    def gather_models(self, kind: str, clients: Tensor) -> Params:
+        """The stored models of ``clients`` (all of group ``kind``)."""
+        return self.store.gather(f"model.{kind}", self.groups.row_of[clients.cpu()], self.device)
+
+    def scatter_models(self, kind: str, clients: Tensor, models: Params) -> None:
+        """Store the models of ``clients`` (all of group ``kind``); extra keys are ignored."""
+        field = self.store.fields[f"model.{kind}"]
+        kept = {n: models[n] for n in field}
+        self.store.scatter(f"model.{kind}", self.groups.row_of[clients.cpu()], kept)
+
+    # ----------------------------------------------------------------- evaluation
+    def personalized_params(self, clients: Tensor) -> Params:
+        kinds = list(self.groups.split(clients))
+        if len(kinds) != 1:
+            raise ValueError("personalized_params takes clients of one architecture group")
+        kind = kinds[0][0]
+        return {f"{kind}.{n}": t for n, t in self.gather_models(kind, clients).items()}
+
+    def predict(self, params: Params, x: Tensor) -> Tensor:
+        kind = next(iter(params)).split(".", 1)[0]
+        prefix = len(kind) + 1
+        return self.groups.archs[kind]({n[prefix:]: t for n, t in params.items()}, x)
+
+    @torch.no_grad()
+    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
+        """As the base class, one architecture group at a time."""
+        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
+        for _, rows in self.groups.split(clients):
+            for total, part in zip(out, super().evaluate(clients[rows], split), strict=True):
+                total[rows] = part
+        return out  # type: ignore[return-value]
+
+
+class FedGH(HeterogeneousModels):
+    """FedGH: every client keeps its own (possibly different) model; only the header is global.
+
+    Round (Algorithm 1): the server sends the global header theta (a Linear(d, C) on the
+    representation of dimension d every client architecture shares); each client replaces its
+    header by theta and trains its whole model with cross-entropy; it then computes, over its
+    training data, the mean representation R_k^s of each of its classes s and uploads these
+    (with the class ids), never its model. The server trains theta with one SGD step of
+    learning rate eta_theta per (R_k^s, s) pair (see :func:`train_header`).
+
+    A client's personalized model is its own model as last trained (its extractor with the
+    header it fine-tuned from the global one). Client architectures are named groups in
+    ``architectures`` (see :mod:`lightning_pfl.assignment`); their headers must all map the
+    same d to the classes. Clients of one architecture train together (one vmap each) and
+    their accuracy is also reported as ``<split>/arch_<name>/acc``.
+
+    Args:
+        architectures: client architecture groups (default: every client uses ``net``).
+        header_lr: eta_theta, the server's header learning rate (paper: the local learning
+            rate is searched in {1e-3, 1e-2, 1e-1, 1}; default 1e-2).
+        header_epochs: passes over the uploaded pairs per round (paper: 1).
+        **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod` (local training:
+            fresh SGD every round, ``local_epochs`` / ``local_steps``, ``local_lr`` eta).
+    """
+
+    def __init__(
+        self,
+        architectures: dict[str, dict[str, Any]] | None = None,
+        header_lr: PositiveFloat = 1e-2,
+        header_epochs: NonNegativeInt = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(architectures, **kwargs)
+        h = self.hp
+        first = next(iter(self.groups.archs))
+        init = self.groups.archs[first].initial_params()
+        weight_name, bias_name = self.header_names[first]
+        self.header = nn.Linear(init[weight_name].shape[1], h.num_classes)
+        with torch.no_grad():
+            self.header.weight.copy_(init[weight_name])
+            self.header.bias.copy_(init[bias_name])
+        self.losses: dict[str, LossFn] = {
+            kind: cross_entropy_loss(arch) for kind, arch in self.groups.archs.items()
+        }
+
+    # ----------------------------------------------------------------- the round
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        h = self.hp
+        batches = self.draw_batches(clients, round_idx)
+        losses = torch.zeros(len(clients), device=self.device)
+        d = self.header.weight.shape[1]
+        reps = torch.zeros(len(clients), h.num_classes, d, device=self.device)
+        counts = torch.zeros(len(clients), h.num_classes, device=self.device)
+        for kind, rows in self.groups.split(clients):
+            members, arch = clients[rows], self.groups.archs[kind]
+            params = self.gather_models(kind, members)
+            weight_name, bias_name = self.header_names[kind]
+            params[weight_name] = self.header.weight.detach().expand(len(rows), -1, -1).clone()
+            params[bias_name] = self.header.bias.detach().expand(len(rows), -1).clone()
+            result = self.local_train(
+                params,
+                members,
+                round_idx,
+                loss_fn=self.losses[kind],
+                batches=batches.select(rows),
+                arch=arch,
+            )
+            self.scatter_models(kind, members, result.params)
+            losses[rows] = result.loss
+            reps[rows], counts[rows] = self.class_representations(arch, result.params, members)
+        present = counts > 0  # the server's one look at what was uploaded
+        uploaded = reps[present]
+        labels = present.nonzero()[:, 1]
+        with torch.no_grad():
+            w, b = train_header(
+                self.header.weight, self.header.bias, uploaded, labels, h.header_lr, h.header_epochs
+            )
+            self.header.weight.copy_(w)
+            self.header.bias.copy_(b)
+        sent = {
+            n: p.detach().expand(len(clients), *p.shape) for n, p in self.header.named_parameters()
+        }
+        self.record_communication(down=sent, up={"representations": uploaded, "classes": labels})
+        return losses
+
+    @torch.no_grad()
+    def class_representations(
+        self, arch: Architecture, params: Params, clients: Tensor, split: Split = "train"
+    ) -> tuple[Tensor, Tensor]:
+        """Mean representation of each class over each client's ``split`` data and the counts
+        (``[C, classes, d]``, ``[C, classes]``; a class a client lacks has a zero mean)."""
+        features = vmap(arch.features)
+        sums: Tensor | None = None
+        counts = torch.zeros(len(clients), self.hp.num_classes, device=self.device)
+        for index, weight in self.data.eval_blocks(clients, split, self.hp.eval_batch_size):
+            x, y = self.data.fetch(index)
+            z = features(params, x).float()
+            onehot = F.one_hot(y, self.hp.num_classes).float() * weight.unsqueeze(-1)
+            part = torch.einsum("cbk,cbd->ckd", onehot, z)
+            sums = part if sums is None else sums + part
+            counts += onehot.sum(1)
+        assert sums is not None, "every client has training data"
+        return sums / counts.clamp_min(1).unsqueeze(-1), counts

@@ -1,0 +1,119 @@
+"""pFedLHN (Zhu et al., Neural Processing Letters 2023): one hypernetwork per target layer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_pfl.methods.pfedhn import PFedHN
+from lightning_pfl.models import HyperNetwork
+from lightning_pfl.validation import NonNegativeInt, PositiveInt
+
+
+def layers_of(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Target tensors grouped by the layer (module) that owns them, in network order."""
+    layers: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        layers.setdefault(name.rsplit(".", 1)[0], {})[name] = shape
+    return layers
+
+
+class LayerwiseHyperNetwork(nn.Module):
+    """h_l(v_i; phi_l) for every layer l of the target: one small pFedHN hypernetwork per layer.
+
+    Each layer's HN is a :class:`~lightning_pfl.models.HyperNetwork` (MLP and one head per
+    tensor of that layer) that generates that layer's tensors only. With ``shared_embedding``
+    the layer HNs read one client embedding table v (the parameter sharing across layer
+    modules); otherwise each layer has its own embeddings v_i^l.
+    """
+
+    def __init__(
+        self,
+        num_clients: int,
+        target_shapes: Mapping[str, tuple[int, ...]],
+        embed_dim: int,
+        hidden_dim: int,
+        n_hidden: int,
+        spectral_norm: bool,
+        target_init: Mapping[str, Tensor],
+        shared_embedding: bool = True,
+    ) -> None:
+        super().__init__()
+        self.layer_names = list(layers_of(target_shapes))
+        self.layers = nn.ModuleList(
+            HyperNetwork(
+                num_clients, shapes, embed_dim, hidden_dim, n_hidden, spectral_norm, target_init
+            )
+            for shapes in layers_of(target_shapes).values()
+        )
+        if shared_embedding:  # every layer reads the first layer's embedding table
+            shared = self.layer(self.layer_names[0]).embeddings
+            for name in self.layer_names[1:]:
+                self.layer(name).embeddings = shared
+
+    def layer(self, name: str) -> HyperNetwork:
+        """The hypernetwork of layer ``name`` (a module name of the target)."""
+        module = self.layers[self.layer_names.index(name)]
+        assert isinstance(module, HyperNetwork)
+        return module
+
+    def forward(self, clients: Tensor) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for layer in self.layers:
+            out |= layer(clients)
+        return out
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        unique = {
+            id(p): p for name in self.layer_names for p in self.layer(name).embedding_parameters()
+        }
+        return list(unique.values())
+
+    def body_parameters(self) -> list[nn.Parameter]:
+        embedding_ids = {id(p) for p in self.embedding_parameters()}
+        return [p for p in self.parameters() if id(p) not in embedding_ids]
+
+
+class PFedLHN(PFedHN):
+    """pFedHN whose hypernetwork is split into layer-wise modules.
+
+    theta_i = {h_l(v_i; phi_l)}_l: a small hypernetwork per target layer l generates exactly
+    that layer's weights, so each module specializes in one layer's role. The round is
+    pFedHN's: clients train theta_i for K local steps and upload delta_i = theta_i - theta~_i;
+    the server sets grad(phi, v) = (1/C) sum_i (d theta_i / d(phi, v))^T delta_i, the gradient
+    of the surrogate (1/C) sum_i <theta_i(phi, v), delta_i>, and steps its optimizer.
+
+    Args:
+        hidden_dim: width of every layer hypernetwork (pFedHN's 100; the pFedLHN paper's
+            per-layer sizes are not given, so this is our default).
+        n_hidden: hidden layers of every layer hypernetwork after the first (default 1: the
+            layer modules are small).
+        shared_embedding: one client embedding v_i read by all layer modules (True), or one
+            per layer.
+        **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (``embed_dim``, the server
+            optimizer ``hn_lr`` etc. and the inner loop).
+    """
+
+    def __init__(
+        self,
+        hidden_dim: PositiveInt = 100,
+        n_hidden: NonNegativeInt = 1,
+        shared_embedding: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(hidden_dim=hidden_dim, n_hidden=n_hidden, **kwargs)
+        h = self.hp
+        n = h.num_clients
+        with self.seeded_init():  # replaces the whole-model hypernetwork PFedHN built
+            self.hnet = LayerwiseHyperNetwork(  # type: ignore[assignment]
+                n,
+                self.generated_shapes(),
+                h.embed_dim or int(1 + n / 4),
+                hidden_dim,
+                n_hidden,
+                h.spectral_norm,
+                self.arch.initial_params(),
+                shared_embedding,
+            )
