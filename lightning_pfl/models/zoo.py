@@ -255,27 +255,47 @@ def _flat(shape: InputShape, num_classes: int) -> dict[str, Any]:
 
 
 class ResNet10(ResNet):
+    """ResNet-10: blocks (2, 1, 1) per stage."""
+
     def __init__(
-        self, in_channels: int = 3, num_classes: int = 10, blocks: Sequence[int] = (2, 1, 1)
+        self,
+        in_channels: int = 3,
+        num_classes: int = 10,
+        blocks: Sequence[int] = (2, 1, 1),
+        widths: Sequence[int] = (16, 32, 64),
     ) -> None:
-        super().__init__(in_channels, num_classes, blocks)
+        super().__init__(in_channels, num_classes, blocks, widths)
 
 
 class ResNet12(ResNet):
+    """ResNet-12: blocks (2, 2, 1) per stage."""
+
     def __init__(
-        self, in_channels: int = 3, num_classes: int = 10, blocks: Sequence[int] = (2, 2, 1)
+        self,
+        in_channels: int = 3,
+        num_classes: int = 10,
+        blocks: Sequence[int] = (2, 2, 1),
+        widths: Sequence[int] = (16, 32, 64),
     ) -> None:
-        super().__init__(in_channels, num_classes, blocks)
+        super().__init__(in_channels, num_classes, blocks, widths)
 
 
 class ResNet18(ResNet):
+    """ResNet-18: blocks (3, 3, 2) per stage."""
+
     def __init__(
-        self, in_channels: int = 3, num_classes: int = 10, blocks: Sequence[int] = (3, 3, 2)
+        self,
+        in_channels: int = 3,
+        num_classes: int = 10,
+        blocks: Sequence[int] = (3, 3, 2),
+        widths: Sequence[int] = (16, 32, 64),
     ) -> None:
-        super().__init__(in_channels, num_classes, blocks)
+        super().__init__(in_channels, num_classes, blocks, widths)
 
 
 class SqueezeNet10(SqueezeNet):
+    """SqueezeNet 1.0."""
+
     def __init__(
         self, in_channels: int = 3, num_classes: int = 10, input_size: int = 32, width: float = 1.0
     ) -> None:
@@ -283,6 +303,8 @@ class SqueezeNet10(SqueezeNet):
 
 
 class SqueezeNet11(SqueezeNet):
+    """SqueezeNet 1.1."""
+
     def __init__(
         self, in_channels: int = 3, num_classes: int = 10, input_size: int = 32, width: float = 1.0
     ) -> None:
