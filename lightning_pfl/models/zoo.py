@@ -132,15 +132,17 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
+        self.stride = stride
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
+            # a 1x1 conv on the subsampled input: the same map as a stride-2 1x1 conv, which
+            # corrupts the heap on CPU for channels-last inputs (seen with torch 2.14)
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout))
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+        skip = self.shortcut(x[..., :: self.stride, :: self.stride])
+        return F.relu(self.bn2(self.conv2(out)) + skip)
 
 
 class ResNet(TargetNetwork):
