@@ -151,7 +151,7 @@ TINY = {
     "mlp": {"net": "zoo_mlp", "net_args": {"hidden": (32, 16)}},
     "res": {"net": "resnet10", "net_args": {"widths": (4, 4, 8), "blocks": (1, 1, 1)}},
 }
-SMALL = {"output_size": 1024, "hidden_dim": 32, "local_epochs": 1, "batch_size": 16}
+SMALL: dict[str, Any] = {"output_size": 1024, "hidden_dim": 32, "local_epochs": 1, "batch_size": 16}
 
 
 def build_mh(cls: type[MHPFedHN] = MHPFedHN, num_clients: int = 6, **kwargs: Any) -> MHPFedHN:
@@ -252,11 +252,16 @@ def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teache
         calls.append((kwargs["arch"], kwargs.get("frozen"), result))
         return result
 
-    method.local_train = spy  # type: ignore[method-assign]
+    setattr(method, "local_train", spy)  # noqa: B010
     steps: list[int] = []
     assert method.server_optimizer is not None
     step = method.server_optimizer.step
-    method.server_optimizer.step = lambda *a, **k: steps.append(len(calls)) or step(*a, **k)  # type: ignore[method-assign]
+
+    def counted_step(*args: Any, **kwargs: Any) -> Any:
+        steps.append(len(calls))
+        return step(*args, **kwargs)
+
+    setattr(method.server_optimizer, "step", counted_step)  # noqa: B010
     clients = torch.tensor([0, 2, 3, 5])
     method.run_round(0, clients)
     assert calls[0][0] is method.global_arch and calls[0][1] is None
@@ -268,6 +273,7 @@ def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teache
         for name, tensor in global_trained.items():
             torch.testing.assert_close(frozen[f"teacher.{name}"], tensor[rows])
     plain = build_mh(MHPFedHNG)
+    assert isinstance(plain, MHPFedHNG)
     assert not plain.distills() and plain.personal_loss("cnn") is plain.losses["cnn"]
 
 
