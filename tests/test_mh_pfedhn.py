@@ -1,0 +1,327 @@
+"""MH-pFedHN: the model zoo, the multi-head hypernetwork and the three methods."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import vmap
+
+from lightning_pfl.engine import Architecture
+from lightning_pfl.losses import distillation_loss
+from lightning_pfl.methods.mh_pfedhn import MHPFedHN, MHPFedHNG, MHPFedHNGD
+from lightning_pfl.models import build_network
+from lightning_pfl.models.multihead_hypernetwork import (
+    FlatCodec,
+    MultiHeadHyperNetwork,
+    slots_needed,
+)
+from tests.conftest import build, digits_data
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_vectorized_equals_sequential,
+    capture_local_training,
+    cli,
+)
+
+ZOO = [
+    "zoo_cnn",
+    "zoo_mlp",
+    "vgg8",
+    "resnet10",
+    "resnet12",
+    "resnet18",
+    "squeezenet1_0",
+    "squeezenet1_1",
+]
+SHAPES = [((1, 8, 8), 10), ((1, 28, 28), 62), ((3, 32, 32), 100), ((3, 64, 64), 200)]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_networks_build_for_every_input_shape(name: str) -> None:
+    for shape, classes in SHAPES:
+        net = build_network(name, shape, classes)
+        assert net(torch.randn(2, *shape)).shape == (2, classes)
+        assert net(torch.randn(2, *shape), features_only=True).dim() == 2
+
+
+def test_zoo_sizes_follow_the_paper_on_cifar100() -> None:
+    # LeNet-style: conv 3->16, conv 16->32, fc 2048->108->64->100
+    cnn = build_network("zoo_cnn", (3, 32, 32), 100)
+    assert cnn.fc1.in_features == 2048  # type: ignore[union-attr]
+    vgg = build_network("vgg8", (3, 32, 32), 100)
+    assert vgg.fc1.in_features == 1024  # type: ignore[union-attr]
+    mlp = build_network("zoo_mlp", (3, 32, 32), 100)
+    assert sum(p.numel() for p in mlp.parameters()) == 3072 * 128 + 128 + 128 * 64 + 64 + 6500
+    depth = {"resnet10": 10, "resnet12": 12, "resnet18": 18}
+    for name, layers in depth.items():
+        net = build_network(name, (3, 32, 32), 100)
+        convs = [n for n, m in net.named_modules() if isinstance(m, torch.nn.Conv2d)]
+        main = [n for n in convs if "shortcut" not in n]
+        assert len(main) + 1 == layers, name  # convs + the classifier
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_networks_are_vmappable_with_per_client_state(name: str) -> None:
+    torch.manual_seed(0)
+    shape = (3, 32, 32) if name.startswith("squeeze") else (1, 8, 8)
+    arch = Architecture(build_network(name, shape, 10))
+    states = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        states.append(Architecture(build_network(name, shape, 10)).initial_state())
+    stacked = {n: torch.stack([s[n] for s in states]) for n in states[0]}
+    x = torch.randn(2, 4, *shape)
+    logits, buffers = vmap(arch.forward_train, randomness="different")(stacked, x)
+    for c in range(2):
+        one, one_buffers = arch.forward_train(states[c], x[c])
+        torch.testing.assert_close(logits[c], one, rtol=1e-4, atol=1e-5)
+        for n in one_buffers:
+            torch.testing.assert_close(buffers[n][c], one_buffers[n], rtol=1e-4, atol=1e-5)
+        evaluated = vmap(arch)(stacked, x)[c]
+        torch.testing.assert_close(evaluated, arch(states[c], x[c]), rtol=1e-4, atol=1e-5)
+    assert arch.stateful == name.startswith("resnet")
+
+
+# ---------------------------------------------------------------- multi-head hypernetwork
+def test_slots_and_head_sharing() -> None:
+    counts = [5000, 3072, 6144, 3073, 100]  # tau = 2, 1, 2, 2, 1
+    hnet = MultiHeadHyperNetwork(counts, output_size=3072, hidden_dim=16)
+    assert hnet.tau == [2, 1, 2, 2, 1]
+    assert [slots_needed(k, 3072) for k in (1, 3072, 3073)] == [1, 1, 2]
+    assert hnet.embeddings.shape == (8, 64)
+    for row, count in enumerate(counts):
+        assert hnet([row]).shape == (1, count)  # exactly K values
+    assert hnet.head_keys() == ["tau1", "tau2"]
+    assert hnet.head_of == ["tau2", "tau1", "tau2", "tau2", "tau1"]
+    assert hnet.heads["tau2_weight"].shape == (2, 3072, 16)
+    # equal tau share a head, different tau do not: row 0's output reads tau2 only
+    out = hnet([0]).sum()
+    grads = torch.autograd.grad(out, list(hnet.heads.values()), allow_unused=True)
+    by_name = dict(zip(hnet.heads.keys(), grads, strict=True))
+    assert by_name["tau2_weight"] is not None and by_name["tau1_weight"] is None
+    # rows 0 and 2 (both tau 2) read the same head weights with their own embeddings
+    e0 = torch.autograd.grad(hnet([0]).sum(), hnet.embeddings)[0]
+    assert e0[:2].abs().sum() > 0 and e0[2:].abs().sum() == 0
+    with pytest.raises(ValueError, match="one parameter count"):
+        hnet([0, 2])
+
+
+def test_head_sharing_options() -> None:
+    counts = [10, 10, 30]  # N = 8: tau = 2, 2, 4
+    per_client = MultiHeadHyperNetwork(counts, output_size=8, hidden_dim=4, sharing="client")
+    assert per_client.head_keys() == ["row0", "row1", "row2"]
+    assert per_client([0, 1]).shape == (2, 10)
+    single = MultiHeadHyperNetwork(counts, output_size=8, hidden_dim=4, sharing="none")
+    assert single.head_keys() == ["shared"] and single.heads["shared_weight"].shape == (1, 8, 4)
+    assert single([2]).shape == (1, 30)
+
+
+def test_standardized_heads_and_codec_roundtrip() -> None:
+    torch.manual_seed(0)
+    net = build_network("resnet10", (1, 8, 8), 10, widths=(4, 4, 8), blocks=(1, 1, 1))
+    arch = Architecture(net)
+    codec = FlatCodec(arch.initial_params())
+    assert codec.count == sum(p.numel() for p in net.parameters())
+    hnet = MultiHeadHyperNetwork([codec.count], output_size=512, hidden_dim=16)
+    flat = hnet([0])
+    assert abs(float(flat.mean())) < 0.2 and abs(float(flat.std()) - 1) < 0.2
+    params = codec.to_params(flat)
+    assert list(params) == list(arch.shapes)  # the client's fixed parameter order
+    for name, shape in arch.shapes.items():
+        assert params[name].shape == (1, *shape)
+    torch.testing.assert_close(codec.to_flat(params), flat, rtol=1e-4, atol=1e-5)
+    # each tensor starts at its own initialization scale
+    init = arch.initial_params()
+    ratio = params["layers.1.conv1.weight"].std() / init["layers.1.conv1.weight"].std()
+    assert 0.7 < float(ratio) < 1.4
+    raw = FlatCodec(init, standardized=False)
+    torch.testing.assert_close(raw.to_params(flat)["fc.bias"][0], flat[0, -10:])
+
+
+# ---------------------------------------------------------------- methods
+TINY = {
+    "cnn": {"net": "zoo_cnn", "net_args": {"channels": (4, 8), "hidden": (16, 16)}},
+    "mlp": {"net": "zoo_mlp", "net_args": {"hidden": (32, 16)}},
+    "res": {"net": "resnet10", "net_args": {"widths": (4, 4, 8), "blocks": (1, 1, 1)}},
+}
+SMALL: dict[str, Any] = {"output_size": 1024, "hidden_dim": 32, "local_epochs": 1, "batch_size": 16}
+
+
+def build_mh(cls: type[MHPFedHN] = MHPFedHN, num_clients: int = 6, **kwargs: Any) -> MHPFedHN:
+    dm = digits_data(num_clients)
+    method = build(cls, dm, **{"architectures": TINY, **SMALL, **kwargs})
+    assert isinstance(method, MHPFedHN)
+    method.configure_optimizers()
+    return method
+
+
+def test_architectures_are_assigned_evenly_and_counts_are_all_the_server_gets() -> None:
+    method = build_mh(num_clients=6)
+    assert sorted(len(ids) for ids in method.client_groups().values()) == [2, 2, 2]
+    assert set(method.client_groups()) == {"arch_cnn", "arch_mlp", "arch_res"}
+    kinds = [method.zoo.names[g] for g in method.zoo.group_of.tolist()]
+    assert method.hnet.counts == [method.codecs[k].count for k in kinds]
+    # the server's modules are the MLP and nothing of a client network
+    server_modules = {type(m).__name__ for m in method.hnet.modules()}
+    assert server_modules == {
+        "MultiHeadHyperNetwork",
+        "Sequential",
+        "Linear",
+        "ReLU",
+        "ParameterDict",
+    }
+    seen: list[Any] = []
+    generate, update = method.hnet.forward, method.server_gradients
+
+    def spy_generate(rows: Any) -> torch.Tensor:
+        seen.append(("rows", rows))
+        return generate(rows)
+
+    def spy_update(generated: Any, deltas: Any, weights: Any) -> None:
+        seen.append(("update", generated, deltas, weights))
+        update(generated, deltas, weights)
+
+    method.hnet.forward = spy_generate  # type: ignore[method-assign]
+    method.server_gradients = spy_update  # type: ignore[method-assign]
+    method.run_round(0, torch.tensor([0, 2, 3, 5]))
+    rows = [s[1] for s in seen if s[0] == "rows"]
+    assert all(isinstance(r, list) and all(isinstance(i, int) for i in r) for r in rows)
+    ((_, generated, deltas, weights),) = [s for s in seen if s[0] == "update"]
+    for g, d in zip(generated, deltas, strict=True):
+        assert isinstance(g, torch.Tensor) and g.dim() == 2 and g.shape == d.shape
+        assert g.shape[1] in method.hnet.counts
+
+
+def test_server_gradient_is_the_gradient_of_the_surrogate() -> None:
+    method = build_mh(hn_max_grad_norm=None)
+    before = copy.deepcopy(method.hnet)
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 1, 3, 4])
+    method.run_round(0, clients)
+    surrogate = torch.zeros(())
+    for (kind, rows), result in zip(method.zoo.split(clients), trained, strict=True):
+        codec = method.codecs[kind]
+        flat = before(clients[rows].tolist())
+        delta = flat.detach() - codec.to_flat(result.params)
+        surrogate = surrogate + (flat * delta).sum() / len(clients)  # weights 1/C
+    expected = torch.autograd.grad(surrogate, list(before.parameters()), allow_unused=True)
+    for (name, p), g in zip(method.hnet.named_parameters(), expected, strict=True):
+        if g is None:
+            assert p.grad is None, name  # heads of absent sizes get no gradient
+        else:
+            torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-7, msg=name)
+    assert method.hnet.embeddings.grad is not None
+    touched = method.hnet.embeddings.grad.abs().sum(1) > 0
+    slots = [
+        s
+        for c in clients.tolist()
+        for s in range(method.hnet.slot_start[c], method.hnet.slot_start[c] + method.hnet.tau[c])
+    ]
+    assert touched.nonzero()[:, 0].tolist() == sorted(slots)
+
+
+def test_sparsified_upload_keeps_the_largest_entries_and_counts_fewer_bytes() -> None:
+    method = build_mh(upload_fraction=0.3)
+    delta = torch.tensor([[0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 0.05, 1.0, -0.01, 0.02]])
+    kept = method.sparsify(delta)
+    assert kept.tolist() == [[0.0, -5.0, 0.0, 3.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]]
+    dense = build_mh()
+    for m in (method, dense):
+        m.run_round(0, torch.tensor([0, 1]))
+    assert method._round_bytes[1] < 0.7 * dense._round_bytes[1]
+    assert method._round_bytes[0] == dense._round_bytes[0]
+
+
+def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teacher() -> None:
+    method = build_mh(MHPFedHNGD, distill_temperature=2.0, distill_weight=0.5)
+    assert isinstance(method, MHPFedHNGD)
+    assert method.global_codec.count == min(c.count for c in method.codecs.values())
+    assert method.hnet.counts[-1] == method.global_codec.count  # the global row
+    calls: list[tuple[Any, Any, Any]] = []
+    original = method.local_train
+
+    def spy(params: Any, clients: Any, round_idx: int, **kwargs: Any) -> Any:
+        result = original(params, clients, round_idx, **kwargs)
+        calls.append((kwargs["arch"], kwargs.get("frozen"), result))
+        return result
+
+    setattr(method, "local_train", spy)  # noqa: B010
+    steps: list[int] = []
+    assert method.server_optimizer is not None
+    step = method.server_optimizer.step
+
+    def counted_step(*args: Any, **kwargs: Any) -> Any:
+        steps.append(len(calls))
+        return step(*args, **kwargs)
+
+    setattr(method.server_optimizer, "step", counted_step)  # noqa: B010
+    clients = torch.tensor([0, 2, 3, 5])
+    method.run_round(0, clients)
+    assert calls[0][0] is method.global_arch and calls[0][1] is None
+    assert steps == [1]  # the server's global update comes before any personal training
+    global_trained = calls[0][2].params
+    kinds = [kind for kind, _ in method.zoo.split(clients)]
+    assert [c[0] for c in calls[1:]] == [method.zoo.archs[k] for k in kinds]
+    for (_, rows), (_, frozen, _) in zip(method.zoo.split(clients), calls[1:], strict=True):
+        for name, tensor in global_trained.items():
+            torch.testing.assert_close(frozen[f"teacher.{name}"], tensor[rows])
+    plain = build_mh(MHPFedHNG)
+    assert isinstance(plain, MHPFedHNG)
+    assert not plain.distills() and plain.personal_loss("cnn") is plain.losses["cnn"]
+
+
+def test_distillation_loss_on_a_hand_example() -> None:
+    # teacher p = (3/4, 1/4), student p = (1/2, 1/2) at T = 1:
+    # KL = 3/4 ln(3/2) + 1/4 ln(1/2)
+    student = torch.tensor([[0.0, 0.0]])
+    teacher = torch.tensor([[math.log(3.0), 0.0]])
+    kl = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    value = distillation_loss(student, teacher, 1.0, torch.ones(1))
+    torch.testing.assert_close(value, torch.tensor(kl))
+    # T = 2 on logits doubled is the same distributions, times T^2 = 4
+    value = distillation_loss(2 * student, 2 * teacher, 2.0, torch.ones(1))
+    torch.testing.assert_close(value, torch.tensor(4 * kl))
+
+
+def test_gd_personal_loss_mixes_cross_entropy_and_distillation() -> None:
+    method = build_mh(MHPFedHNGD, distill_temperature=3.0, distill_weight=0.25)
+    assert isinstance(method, MHPFedHNGD)
+    kind = "cnn"
+    arch = method.zoo.archs[kind]
+    student = arch.initial_params()
+    torch.manual_seed(1)
+    teacher = {n: torch.randn_like(t) * 0.3 for n, t in method.global_arch.initial_params().items()}
+    x, y, w = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4]), torch.ones(5)
+    w[-1] = 0.0
+    frozen = {f"teacher.{n}": t for n, t in teacher.items()}
+    value = method.distill_losses[kind](student, frozen, x, y, w)
+    logits, target = arch(student, x, train=True), method.global_arch(teacher, x)
+    ce = F.cross_entropy(logits[:4], y[:4])
+    p_t = F.softmax(target[:4] / 3, -1)
+    kl = (p_t * (p_t.log() - F.log_softmax(logits[:4] / 3, -1))).sum(-1).mean()
+    torch.testing.assert_close(value, 0.25 * ce + 0.75 * 9 * kl)
+
+
+@pytest.mark.parametrize("cls", [MHPFedHN, MHPFedHNGD])
+def test_vectorized_equals_sequential(cls: type[MHPFedHN]) -> None:
+    assert_vectorized_equals_sequential(
+        cls, rounds=2, num_clients=6, architectures=TINY, **{**SMALL, "hn_lr": 1e-2}
+    )
+
+
+def test_batch_norm_state_and_everything_else_resume_exactly(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "mh_pfedhngd.yaml", tmp_path)
+
+
+def test_per_architecture_accuracy_is_logged(tmp_path: Path) -> None:
+    result = cli(CONF / "mh_pfedhn.yaml", tmp_path, "--trainer.max_steps=2")
+    for name in ("cnn", "mlp", "resnet"):
+        assert f"arch_{name}/acc" in result["test_at_best_val"]
+    assert set(result["client_parameters"]) == {"cnn", "mlp", "resnet"}
