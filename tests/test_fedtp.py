@@ -65,7 +65,7 @@ def test_char_transformer_is_causal() -> None:
         ("char_transformer", (12,), lambda: torch.randint(0, 10, (3, 4, 12))),
     ],
 )
-def test_transformers_vmap_equals_loop(name: str, shape: tuple[int, ...], x) -> None:  # type: ignore[no-untyped-def]
+def test_transformers_vmap_equals_loop(name: str, shape: tuple[int, ...], x) -> None:
     torch.manual_seed(0)
     kwargs = {"patch": 2, "dim": 16, "depth": 2, "heads": 2, "head_dim": 8} if name == "vit" else {}
     net = build_network(name, shape, 10, dropout=0.0, **kwargs)

@@ -167,6 +167,7 @@ class ViT(TargetNetwork):
         z = self.tokens(x)
         rollout = torch.eye(z.shape[1], device=x.device).expand(len(x), -1, -1)
         for block in self.blocks:
+            assert isinstance(block, Block)
             attention = block.attn.attention_map(block.norm1(z))[0].amax(1)  # [B, T, T]
             flat = attention.flatten(1)
             cut = torch.quantile(flat, discard, dim=1, keepdim=True)
