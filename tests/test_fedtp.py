@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from torch.func import functional_call, vmap
 
 from lightning_pfl.engine import Architecture
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.losses import (
+    balanced_softmax_cross_entropy,
+    interpolate_with_knn,
+    knn_probabilities,
+)
+from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods.fedtp import FedTP, FedTPKNN, FedTPPer, FedTPRoD
+from lightning_pfl.methods.vanilla_pt import VanillaPersonalizedT
 from lightning_pfl.models import build_network
 from lightning_pfl.models.transformers import CharTransformer, ViT, qkv_names
+from tests.conftest import build, digits_data
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_vectorized_equals_sequential,
+    capture_local_training,
+)
 
 
 def test_vit_shapes_and_qkv_names() -> None:
@@ -86,3 +107,168 @@ def test_attention_rollout_is_a_map_per_image() -> None:
     maps = net.attention_rollout(torch.randn(4, 1, 8, 8))
     assert maps.shape == (4, 4, 4)
     assert torch.all(maps >= 0) and torch.allclose(maps.amax((1, 2)), torch.ones(4))
+
+
+# ----------------------------------------------------------------- FedTP and its variants
+SMALL_VIT = {"patch": 2, "dim": 16, "depth": 2, "heads": 2, "head_dim": 8, "mlp_dim": 32}
+QKV = {"blocks.0.attn.qkv.weight", "blocks.1.attn.qkv.weight"}
+
+
+def small(cls: type[FederatedMethod], num_clients: int = 6, **kwargs: Any) -> Any:
+    dm = digits_data(num_clients)
+    kwargs.setdefault("net_args", {**SMALL_VIT, "dropout": 0.0, "emb_dropout": 0.0})
+    return build(cls, dm, net="vit", local_epochs=None, clients_per_round=3, **kwargs)
+
+
+def capture_aggregate(method: Any) -> list[set[str]]:
+    seen: list[set[str]] = []
+    original = method.aggregate
+
+    def wrapped(trained: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        seen.append(set(trained))
+        original(trained, weights)
+
+    method.aggregate = wrapped
+    return seen
+
+
+def test_hypernetwork_generates_exactly_the_qkv_tensors() -> None:
+    method = small(FedTP)
+    assert isinstance(method, FedTP)
+    assert set(method.hnet.target_shapes) == QKV
+    clients = torch.tensor([0, 3, 5])
+    out = method.hnet(clients)
+    assert set(out) == QKV
+    assert all(out[n].shape == (3, 3 * 2 * 8, 16) for n in QKV)
+    params = method.personalized_params(clients)
+    assert set(params) == set(method.arch.shapes)
+    for n in QKV:
+        torch.testing.assert_close(params[n], out[n].detach())
+        assert not torch.allclose(params[n][0], params[n][1])  # one W_i per client
+    for n in set(params) - QKV:
+        assert torch.equal(params[n][0], params[n][1])  # the rest is the global model
+    with pytest.raises(ConfigError, match="qkv"):
+        build(FedTP, digits_data(4), net="digits_cnn")
+
+
+@pytest.mark.parametrize("cls", [FedTP, FedTPPer, VanillaPersonalizedT])
+def test_personalized_tensors_never_enter_fedavg(cls: type[FederatedMethod]) -> None:
+    method = small(cls)
+    seen = capture_aggregate(method)
+    before = {n: t.detach().clone() for n, t in method.net.state_dict().items()}
+    trained = capture_local_training(method)
+    method.run_round(0, torch.tensor([1, 2, 4]))
+    personal = QKV | (set(method.arch.head_names) if cls is FedTPPer else set())
+    assert seen == [set(method.arch.shapes) - personal]
+    assert method.hp.clients_per_round == 3 and len(trained) == 1
+    for n in personal:
+        param = dict(method.net.named_parameters())[n]
+        assert param.grad is None and torch.equal(param.detach(), before[n])
+    if cls is not FedTP:  # what the clients keep is what they trained
+        kept = method.store.gather("personal", torch.tensor([1, 2, 4]), torch.device("cpu"))
+        assert set(kept) == (set(method.arch.head_names) if cls is FedTPPer else QKV)
+        for n, t in kept.items():
+            torch.testing.assert_close(t, trained[0].params[n])
+
+
+def test_hypernetwork_update_is_the_gradient_of_its_surrogate() -> None:
+    method = small(FedTP, hn_max_grad_norm=None)
+    assert isinstance(method, FedTP)
+    clients = torch.tensor([0, 2, 5])
+    reference = copy.deepcopy(method.hnet)
+    trained = capture_local_training(method)
+    method.run_round(0, clients)
+    p = method.client_weights(clients)
+    assert not torch.allclose(p, torch.full_like(p, 1 / 3))  # sample weights, not uniform
+    generated = reference(clients)
+    surrogate = sum(
+        (p.view(-1, 1, 1) * 0.5 * (generated[n] - trained[0].params[n]) ** 2).sum() for n in QKV
+    )
+    expected = torch.autograd.grad(surrogate, list(reference.parameters()))
+    for (name, param), g in zip(method.hnet.named_parameters(), expected, strict=True):
+        assert param.grad is not None
+        torch.testing.assert_close(param.grad, g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_balanced_softmax_on_a_hand_example() -> None:
+    # logits 0, counts (3, 1): softmax of (log 3, log 1) -> p(y=0) = 3/4, p(y=1) = 1/4
+    logits = torch.zeros(2, 2)
+    y = torch.tensor([0, 1])
+    loss = balanced_softmax_cross_entropy(logits, y, torch.tensor([3.0, 1.0]), torch.ones(2))
+    torch.testing.assert_close(loss, -(math.log(3 / 4) + math.log(1 / 4)) / 2 * torch.ones(()))
+
+
+def test_rod_body_is_trained_by_the_balanced_loss_only() -> None:
+    method = small(FedTPRoD)
+    assert isinstance(method, FedTPRoD)
+    clients = torch.tensor([1])
+    params = {
+        n: t[0].detach().clone().requires_grad_()
+        for n, t in method.personalized_params(clients).items()
+    }
+    x, y = method.data.fetch(method.data.index["train"].lookup(clients, torch.arange(8)[None]))
+    counts = torch.tensor([5.0, 0, 0, 3, 0, 0, 0, 0, 0, 0])
+    frozen = {"class_counts": counts}
+    w = torch.ones(8)
+    total = method.rod_loss(params, frozen, x[0], y[0], w)
+    grads = torch.autograd.grad(total, list(params.values()))
+    generic, personal = method._logits(params, x[0], True)
+    balanced = balanced_softmax_cross_entropy(generic, y[0], counts, w)
+    body = [n for n in params if not n.startswith("rod_head")]
+    expected = torch.autograd.grad(balanced, [params[n] for n in body])
+    by_name = dict(zip(params, grads, strict=True))
+    for n, g in zip(body, expected, strict=True):
+        torch.testing.assert_close(by_name[n], g, msg=n)
+    assert by_name["rod_head.weight"].abs().sum() > 0
+    with torch.no_grad():
+        torch.testing.assert_close(method.predict(params, x[0]), generic + personal)
+
+
+def test_knn_interpolation_weights_on_a_hand_example() -> None:
+    memory = torch.tensor([[1.0], [2.0], [10.0]])
+    probs = knn_probabilities(
+        torch.zeros(1, 1),
+        memory,
+        torch.tensor([0, 1, 0]),
+        torch.ones(3, dtype=torch.bool),
+        2,
+        2,
+        1.0,
+    )
+    near = torch.softmax(torch.tensor([-1.0, -4.0]), 0)  # squared distances 1 and 4
+    torch.testing.assert_close(probs[0], near)
+    mixed = interpolate_with_knn(torch.zeros(1, 2), probs, 0.25).exp()
+    torch.testing.assert_close(mixed[0], 0.25 * near + 0.75 * torch.full((2,), 0.5))
+
+
+@pytest.mark.parametrize("knn_weight", [0.0, 1.0])
+def test_fedtp_knn_predicts_from_the_clients_own_memory(knn_weight: float) -> None:
+    method = small(FedTPKNN, knn_weight=knn_weight, knn_k=1)
+    clients = torch.tensor([0, 3])
+    params = method.personalized_params(clients)
+    counts = method.data.num_samples("train")[clients]
+    assert params["knn.memory"].shape[:2] == (2, int(counts.max()))
+    assert torch.equal(params["knn.mask"].sum(1), counts)
+    index = method.data.index["train"].lookup(clients, torch.arange(5).expand(2, -1))
+    x, y = method.data.fetch(index)
+    out = vmap(method.predict)(params, x)
+    if knn_weight == 1.0:  # a training sample's nearest neighbour is itself
+        assert torch.equal(out.argmax(-1), y)
+    else:
+        logits = vmap(method.arch)(method.network_tensors(params), x)
+        torch.testing.assert_close(out, torch.log_softmax(logits, -1))
+
+
+@pytest.mark.parametrize("cls", [FedTP, FedTPRoD, VanillaPersonalizedT])
+def test_vectorized_equals_sequential(cls: type[FederatedMethod]) -> None:
+    assert_vectorized_equals_sequential(
+        cls,
+        rounds=2,
+        net="vit",
+        net_args={**SMALL_VIT, "dropout": 0.0, "emb_dropout": 0.0},
+        local_epochs=None,
+    )
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedtp_rod.yaml", tmp_path)
