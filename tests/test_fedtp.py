@@ -272,3 +272,26 @@ def test_vectorized_equals_sequential(cls: type[FederatedMethod]) -> None:
 
 def test_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedtp_rod.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------- noise feature imbalance
+def test_noise_split_grows_with_the_client_index() -> None:
+    from lightning_pfl.partition import IID
+
+    clean = digits_data(5, partition=IID())
+    noisy = digits_data(5, partition=IID(), noise_sigma=0.5)
+    again = digits_data(5, partition=IID(), noise_sigma=0.5)
+    spread = []
+    for client in range(5):
+        index = noisy.index["train"].lookup(torch.tensor([client]), torch.arange(40)[None])
+        x0, y0 = clean.fetch(index)
+        x1, y1 = noisy.fetch(index)
+        assert torch.equal(y0, y1) and torch.equal(x1, again.fetch(index)[0])  # seeded
+        torch.testing.assert_close(x1, noisy.fetch(index)[0])  # the same noise every fetch
+        spread.append(float(((x1 - x0) * clean.std).std()))  # back to [0, 1] pixel units
+    assert spread[0] == 0.0
+    expected = [0.5 * i / 4 for i in range(1, 5)]
+    for got, want in zip(spread[1:], expected, strict=True):
+        assert abs(got - want) < 0.15 * want
+    with pytest.raises(ConfigError, match="noise_sigma"):
+        digits_data(5, noise_sigma=-1.0)
