@@ -295,3 +295,17 @@ def test_noise_split_grows_with_the_client_index() -> None:
         assert abs(got - want) < 0.15 * want
     with pytest.raises(ConfigError, match="noise_sigma"):
         digits_data(5, noise_sigma=-1.0)
+
+
+def test_attention_pictures_and_embedding_projection() -> None:
+    from lightning_pfl.methods.fedtp import embedding_figure
+
+    method = small(FedTP)
+    pictures = method.attention_pictures(torch.tensor([0, 4]), images=3)
+    assert pictures.shape == (2, 3, 3, 8, 8)
+    assert float(pictures.min()) >= 0 and float(pictures.max()) <= 1
+    assert not torch.allclose(pictures[0], pictures[1])  # each client's own model and images
+    points = method.embedding_projection()
+    assert points.shape == (6, 2)
+    torch.testing.assert_close(points.mean(0), torch.zeros(2), atol=1e-5, rtol=0)
+    assert embedding_figure(points).axes

@@ -8,10 +8,12 @@ of features).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
 from torch.func import vmap
 
@@ -24,7 +26,7 @@ from lightning_pfl.losses import (
 )
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.models import HyperNetwork
-from lightning_pfl.models.transformers import qkv_names
+from lightning_pfl.models.transformers import ViT, qkv_names
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -60,6 +62,9 @@ class FedTP(FedAvg):
         local_weight_decay: client weight decay (1e-5, reference code).
         local_epochs: local epochs E (5); batch size B = ``batch_size`` (64).
         local_max_grad_norm: client gradient clip (None: off, as FedTP).
+        picture_clients: at every validation, log to TensorBoard the attention-rollout maps of
+            4 test images of each of the first ``picture_clients`` clients (``vit`` only) and
+            the PCA projection of the client embeddings (0: neither).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
@@ -77,6 +82,7 @@ class FedTP(FedAvg):
         local_weight_decay: NonNegativeFloat = 1e-5,
         local_epochs: PositiveInt | None = 5,
         local_max_grad_norm: PositiveFloat | None = None,
+        picture_clients: NonNegativeInt = 4,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -177,10 +183,73 @@ class FedTP(FedAvg):
         shapes = self.arch.shapes.keys() | self.arch.buffer_shapes.keys()
         return {n: t for n, t in tensors.items() if n in shapes}
 
+    # ----------------------------------------------------------------- pictures
     @torch.no_grad()
-    def client_embeddings(self) -> Tensor:
-        """The clients' embeddings v_i ``[n, embed_dim]`` (for the PCA figure)."""
-        return self.hnet.embeddings.weight.detach().clone()
+    def embedding_projection(self) -> Tensor:
+        """The client embeddings v_i projected on their first two principal axes ``[n, 2]``."""
+        v = self.hnet.embeddings.weight.detach().float()
+        centered = v - v.mean(0)
+        axes = torch.linalg.svd(centered, full_matrices=False).Vh[:2]
+        return centered @ axes.T
+
+    @torch.no_grad()
+    def attention_pictures(self, clients: Tensor, images: int = 4) -> Tensor:
+        """Test images of ``clients`` over their attention rollout (``[C, images, 3, H, W]``).
+
+        The map (max over heads, lowest 30% dropped, see ``ViT.attention_rollout``) of each
+        client's personalized model is upsampled to the image and shown in red over it.
+        """
+        data = self.data
+        index, _ = next(data.eval_blocks(clients, "test", images))
+        x, _ = data.fetch(index)
+        params = self.personalized_params(clients)
+        net = copy.deepcopy(self.net).eval()
+        assert isinstance(net, ViT)
+        pictures = []
+        for c in range(len(clients)):
+            net.load_state_dict({n: t[c] for n, t in params.items()}, strict=False)
+            mask = net.attention_rollout(x[c])[:, None]  # [b, 1, h, w]
+            mask = F.interpolate(mask, size=x.shape[-2:], mode="nearest")
+            shape = (1, -1, 1, 1)
+            image = x[c] * data.std.view(shape) + data.mean.view(shape) if len(data.mean) else x[c]
+            gray = image.clamp(0, 1).mean(1, keepdim=True)
+            red = torch.cat([mask, torch.zeros_like(mask), torch.zeros_like(mask)], 1)
+            pictures.append(0.5 * gray.expand(-1, 3, -1, -1) + 0.5 * red)
+        return torch.stack(pictures)
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        count = min(self.hp.picture_clients, self.hp.num_clients)
+        logger = self.logger
+        if self.trainer.sanity_checking or not count or not isinstance(logger, TensorBoardLogger):
+            return
+        if not self.trainer.is_global_zero:
+            return
+        step = self.global_step
+        points = self.embedding_projection().cpu()
+        logger.experiment.add_figure("fedtp/client_embeddings_pca", embedding_figure(points), step)
+        if isinstance(self.net, ViT):
+            pictures = self.attention_pictures(torch.arange(count, device=self.device))
+            for c, grid in enumerate(pictures.cpu()):
+                logger.experiment.add_images(f"fedtp/attention_rollout/client_{c}", grid, step)
+
+
+def embedding_figure(points: Tensor) -> Any:
+    """A scatter plot of 2-D client embeddings, each point labelled with its client id."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(5, 5))
+    axes.scatter(points[:, 0].numpy(), points[:, 1].numpy(), s=12)
+    if len(points) <= 100:
+        for i, (a, b) in enumerate(points.tolist()):
+            axes.annotate(str(i), (a, b), fontsize=7)
+    axes.set_xlabel("principal axis 1")
+    axes.set_ylabel("principal axis 2")
+    axes.set_title("FedTP client embeddings (PCA)")
+    return figure
 
 
 class FedTPPer(FedTP):
