@@ -24,7 +24,14 @@ from lightning_pfl.partition import (
     count_matrix,
     split_by_shares,
 )
-from lightning_pfl.validation import OpenUnitInterval, PositiveInt, Range, Seed, check_arguments
+from lightning_pfl.validation import (
+    NonNegativeFloat,
+    OpenUnitInterval,
+    PositiveInt,
+    Range,
+    Seed,
+    check_arguments,
+)
 
 Split = Literal["train", "val", "test"]
 
@@ -107,7 +114,14 @@ class FederatedDataModule(LightningDataModule):
         seed: seed of the split (the same seed gives the same clients for every method).
         dataset_options: extra loader options (synthetic: alpha, beta, dimension).
         eval_clients_per_batch: clients evaluated together in one validation/test step.
+        noise_sigma: FedTP's noise-based feature imbalance (section IV-C), sigma_M: client i's
+            images get Gaussian noise of standard deviation sigma_M * i / (n - 1) (in [0, 1]
+            pixel units, before normalization), added on the fly whenever they are fetched.
+            The noise of a sample is fixed: a seeded bank of ``NOISE_BANK`` standard normal
+            images, sample j reading entry j mod ``NOISE_BANK``. 0 disables it.
     """
+
+    NOISE_BANK = 4096
 
     def __init__(
         self,
@@ -122,6 +136,7 @@ class FederatedDataModule(LightningDataModule):
         seed: Seed = 0,
         dataset_options: dict[str, Any] | None = None,
         eval_clients_per_batch: PositiveInt = 64,
+        noise_sigma: NonNegativeFloat = 0.0,
     ) -> None:
         super().__init__()
         check_arguments(
@@ -132,6 +147,7 @@ class FederatedDataModule(LightningDataModule):
                 "test_fraction": test_fraction,
                 "seed": seed,
                 "eval_clients_per_batch": eval_clients_per_batch,
+                "noise_sigma": noise_sigma,
             },
             "data",
         )
@@ -152,6 +168,9 @@ class FederatedDataModule(LightningDataModule):
         self.seed = seed
         self.dataset_options = dataset_options or {}
         self.eval_clients_per_batch = eval_clients_per_batch
+        self.noise_sigma = noise_sigma
+        self.noise_std = torch.zeros(0)  # [pooled samples] std of each sample's noise
+        self.noise_bank = torch.zeros(0)
         self.index: dict[str, ClientIndex] = {}
         self._parts: dict[str, IndexLists] = {}
         self.counts: dict[str, np.ndarray] = {}
@@ -188,6 +207,7 @@ class FederatedDataModule(LightningDataModule):
             "test_fraction": self.test_fraction,
             "seed": self.seed,
             **{f"dataset_options.{k}": v for k, v in self.dataset_options.items()},
+            **({"noise_sigma": self.noise_sigma} if self.noise_sigma else {}),
         }
 
     def setup(self, stage: str | None = None) -> None:
@@ -220,12 +240,29 @@ class FederatedDataModule(LightningDataModule):
         )
         self.inputs = inputs
         self._parts = parts
+        if self.noise_sigma:
+            self._make_noise(parts)
+
+    def _make_noise(self, parts: dict[str, IndexLists]) -> None:
+        """Per-sample noise std sigma_M * i / (n - 1) of client i's samples, and the bank."""
+        if self.inputs.dtype != torch.uint8:
+            raise ConfigError(
+                f"data.init_args.noise_sigma adds noise to images; '{self.dataset}' has no images."
+            )
+        owner = torch.zeros(len(self.inputs))
+        for split_parts in parts.values():
+            for client, part in enumerate(split_parts):
+                owner[torch.as_tensor(part, dtype=torch.int64)] = float(client)
+        self.noise_std = self.noise_sigma * owner / max(self.num_clients - 1, 1)
+        generator = torch.Generator().manual_seed(self.seed)
+        self.noise_bank = torch.randn(self.NOISE_BANK, *self.inputs.shape[1:], generator=generator)
 
     def to(self, device: torch.device) -> None:
         """Move the pooled data and the client index to ``device``."""
         self.inputs = self.inputs.to(device)
         self.labels = self.labels.to(device)
         self.mean, self.std = self.mean.to(device), self.std.to(device)
+        self.noise_std, self.noise_bank = self.noise_std.to(device), self.noise_bank.to(device)
         self.index = {s: ClientIndex.from_lists(p, device) for s, p in self._parts.items()}
 
     def _split(self, arrays: DatasetArrays, rng: np.random.Generator) -> dict[str, IndexLists]:
@@ -300,7 +337,11 @@ class FederatedDataModule(LightningDataModule):
         x = self.inputs[index]
         if x.dtype == torch.uint8:
             shape = (-1,) + (1,) * (len(self.input_shape) - 1)
-            x = (x.float().div_(255.0) - self.mean.view(shape)) / self.std.view(shape)
+            x = x.float().div_(255.0)
+            if self.noise_sigma:
+                std = self.noise_std[index].view(*index.shape, *([1] * len(self.input_shape)))
+                x = x + std * self.noise_bank[index % self.NOISE_BANK]
+            x = (x - self.mean.view(shape)) / self.std.view(shape)
         return x, self.labels[index]
 
     def client_batches(

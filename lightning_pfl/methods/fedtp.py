@@ -1,0 +1,373 @@
+"""FedTP (Li et al., "FedTP: Federated Learning by Transformer Personalization", TNNLS 2023).
+
+A server hypernetwork generates every client's self-attention (the bias-free qkv projection of
+each transformer block); everything else is FedAvg'd. Variants combine it with FedPer (a local
+classifier), FedRoD (a balanced generic head plus a personal head) and kNN-Per (a local memory
+of features).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor, nn
+from torch.func import vmap
+
+from lightning_pfl.engine import Params, TrainResult, weighted_cross_entropy
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.losses import (
+    balanced_softmax_cross_entropy,
+    interpolate_with_knn,
+    knn_probabilities,
+)
+from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.models import HyperNetwork
+from lightning_pfl.models.transformers import ViT, qkv_names
+from lightning_pfl.validation import (
+    Momentum,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    UnitInterval,
+)
+
+
+class FedTP(FedAvg):
+    """Federated learning by transformer personalization.
+
+    Round (FedTP's Algorithm 1): W_i = h(v_i; phi) for every sampled client i in one batched
+    hypernetwork forward (the qkv projection of every block); client i trains the global model
+    with its own W_i for ``local_epochs`` epochs and uploads the shared tensors and W~_i. The
+    server averages the shared tensors (sample-weighted, as FedAvg; server_lr 1) and sets
+    grad(phi, v) = sum_i p_i (dW_i / d(phi, v))^T (W_i - W~_i) with p_i proportional to client
+    i's training samples, the gradient of sum_i p_i 0.5 ||h(v_i; phi) - W~_i||^2, then steps.
+
+    A client's personalized model is the global model with its generated W_i.
+
+    Args:
+        embed_dim: client embedding size (paper: 32; reference code: 128).
+        hidden_dim: hypernetwork MLP width (150).
+        n_hidden: hidden layers after the first (3: the paper's four FC layers).
+        hn_lr: hypernetwork learning rate (default ``local_lr``, as the reference code).
+        hn_momentum: hypernetwork SGD momentum.
+        hn_weight_decay: hypernetwork weight decay.
+        hn_max_grad_norm: clip of the hypernetwork gradient norm (None: off).
+        net: a transformer with named qkv projections (``vit`` or ``char_transformer``).
+        local_lr: client SGD learning rate (0.01).
+        local_weight_decay: client weight decay (1e-5, reference code).
+        local_epochs: local epochs E (5); batch size B = ``batch_size`` (64).
+        local_max_grad_norm: client gradient clip (None: off, as FedTP).
+        picture_clients: at every validation, log to TensorBoard the attention-rollout maps of
+            4 test images of each of the first ``picture_clients`` clients (``vit`` only) and
+            the PCA projection of the client embeddings (0: neither).
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
+    """
+
+    def __init__(
+        self,
+        embed_dim: PositiveInt = 32,
+        hidden_dim: PositiveInt = 150,
+        n_hidden: NonNegativeInt = 3,
+        hn_lr: PositiveFloat | None = None,
+        hn_momentum: Momentum = 0.9,
+        hn_weight_decay: NonNegativeFloat = 1e-3,
+        hn_max_grad_norm: PositiveFloat | None = 50.0,
+        net: str = "vit",
+        local_lr: PositiveFloat = 1e-2,
+        local_weight_decay: NonNegativeFloat = 1e-5,
+        local_epochs: PositiveInt | None = 5,
+        local_max_grad_norm: PositiveFloat | None = None,
+        picture_clients: NonNegativeInt = 4,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            net=net,
+            local_lr=local_lr,
+            local_weight_decay=local_weight_decay,
+            local_epochs=local_epochs,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
+        generated = self.generated_names()
+        if not generated:
+            raise ConfigError(
+                f"model.init_args.net '{net}' has no attention qkv projections to personalize; "
+                f"{type(self).__name__} needs a transformer: vit or char_transformer."
+            )
+        with self.seeded_init():
+            self.hnet = HyperNetwork(
+                self.hp.num_clients,
+                {n: self.arch.shapes[n] for n in generated},
+                embed_dim,
+                hidden_dim,
+                n_hidden,
+                target_init=self.arch.initial_params(),
+            )
+
+    def generated_names(self) -> tuple[str, ...]:
+        """The tensors the hypernetwork generates: every block's qkv projection."""
+        return qkv_names(tuple(self.arch.shapes))
+
+    def configure_server_optimizer(self) -> torch.optim.Optimizer:
+        h = self.hp
+        generated = set(self.generated_names())
+        shared = [p for n, p in self.net.named_parameters() if n not in generated]
+        return torch.optim.SGD(
+            [
+                {"params": shared, "lr": h.server_lr, "momentum": h.server_momentum},
+                {
+                    "params": list(self.hnet.parameters()),
+                    "lr": h.hn_lr or h.local_lr,
+                    "momentum": h.hn_momentum,
+                    "weight_decay": h.hn_weight_decay,
+                },
+            ],
+            lr=h.server_lr,
+        )
+
+    def shared_payload(self, clients: Tensor) -> Params:
+        """The global model's tensors every client receives (all but the generated ones)."""
+        generated = set(self.generated_names())
+        return {n: t for n, t in super().payload(clients).items() if n not in generated}
+
+    def payload(self, clients: Tensor) -> Params:
+        """The shared tensors with each client's generated qkv projections in place."""
+        with torch.no_grad():
+            return self.shared_payload(clients) | self.hnet(clients)
+
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        generated = self.hnet(clients)  # W_i = h(v_i; phi), one forward for all clients
+        personalized = {n: t.detach() for n, t in generated.items()}
+        sent = self.shared_payload(clients)
+        start = {n: t.clone() for n, t in (sent | personalized).items()}
+        if self.personal_names():
+            start |= self.store.gather("personal", clients, self.device)
+        result = self.train_clients(round_idx, clients, start)
+        if self.personal_names():
+            kept = {n: result.params[n] for n in self.personal_names()}
+            self.store.scatter("personal", clients, kept)
+        weights = self.client_weights(clients)
+        uploaded = {n: result.params[n] for n in sent}
+        trained = {n: result.params[n] for n in generated}
+        self.aggregate(uploaded, weights)
+        delta = {n: personalized[n] - trained[n] for n in generated}
+        self.set_hypernetwork_gradients(generated, delta, weights)
+        self.record_communication(down=sent | personalized, up=uploaded | trained)
+        return result.loss
+
+    def set_hypernetwork_gradients(self, generated: Params, delta: Params, weights: Tensor) -> None:
+        """grad(phi, v) = sum_i p_i J_i^T (W_i - W~_i), then clip to ``hn_max_grad_norm``."""
+        params = list(self.hnet.parameters())
+        p = weights.to(self.device)
+        grads = torch.autograd.grad(
+            list(generated.values()),
+            params,
+            grad_outputs=[
+                p.view(-1, *([1] * (t.dim() - 1))).to(t.dtype) * delta[n].to(t.dtype)
+                for n, t in generated.items()
+            ],
+            allow_unused=True,
+        )
+        for param, g in zip(params, grads, strict=True):
+            param.grad = g if g is not None else torch.zeros_like(param)
+        if self.hp.hn_max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.hp.hn_max_grad_norm)
+
+    def network_tensors(self, tensors: Params) -> Params:
+        """The target network's own tensors among ``tensors`` (without a variant's extras)."""
+        shapes = self.arch.shapes.keys() | self.arch.buffer_shapes.keys()
+        return {n: t for n, t in tensors.items() if n in shapes}
+
+    # ----------------------------------------------------------------- pictures
+    @torch.no_grad()
+    def embedding_projection(self) -> Tensor:
+        """The client embeddings v_i projected on their first two principal axes ``[n, 2]``."""
+        v = self.hnet.embeddings.weight.detach().float()
+        centered = v - v.mean(0)
+        axes = torch.linalg.svd(centered, full_matrices=False).Vh[:2]
+        return centered @ axes.T
+
+    @torch.no_grad()
+    def attention_pictures(self, clients: Tensor, images: int = 4) -> Tensor:
+        """Test images of ``clients`` over their attention rollout (``[C, images, 3, H, W]``).
+
+        The map (max over heads, lowest 30% dropped, see ``ViT.attention_rollout``) of each
+        client's personalized model is upsampled to the image and shown in red over it.
+        """
+        data = self.data
+        index, _ = next(data.eval_blocks(clients, "test", images))
+        x, _ = data.fetch(index)
+        params = self.personalized_params(clients)
+        net = copy.deepcopy(self.net).eval()
+        assert isinstance(net, ViT)
+        pictures = []
+        for c in range(len(clients)):
+            net.load_state_dict({n: t[c] for n, t in params.items()}, strict=False)
+            mask = net.attention_rollout(x[c])[:, None]  # [b, 1, h, w]
+            mask = F.interpolate(mask, size=x.shape[-2:], mode="nearest")
+            shape = (1, -1, 1, 1)
+            image = x[c] * data.std.view(shape) + data.mean.view(shape) if len(data.mean) else x[c]
+            gray = image.clamp(0, 1).mean(1, keepdim=True)
+            red = torch.cat([mask, torch.zeros_like(mask), torch.zeros_like(mask)], 1)
+            pictures.append(0.5 * gray.expand(-1, 3, -1, -1) + 0.5 * red)
+        return torch.stack(pictures)
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        count = min(self.hp.picture_clients, self.hp.num_clients)
+        logger = self.logger
+        if self.trainer.sanity_checking or not count or not isinstance(logger, TensorBoardLogger):
+            return
+        if not self.trainer.is_global_zero:
+            return
+        step = self.global_step
+        points = self.embedding_projection().cpu()
+        logger.experiment.add_figure("fedtp/client_embeddings_pca", embedding_figure(points), step)
+        if isinstance(self.net, ViT):
+            pictures = self.attention_pictures(torch.arange(count, device=self.device))
+            for c, grid in enumerate(pictures.cpu()):
+                logger.experiment.add_images(f"fedtp/attention_rollout/client_{c}", grid, step)
+
+
+def embedding_figure(points: Tensor) -> Any:
+    """A scatter plot of 2-D client embeddings, each point labelled with its client id."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(5, 5))
+    axes.scatter(points[:, 0].numpy(), points[:, 1].numpy(), s=12)
+    if len(points) <= 100:
+        for i, (a, b) in enumerate(points.tolist()):
+            axes.annotate(str(i), (a, b), fontsize=7)
+    axes.set_xlabel("principal axis 1")
+    axes.set_ylabel("principal axis 2")
+    axes.set_title("FedTP client embeddings (PCA)")
+    return figure
+
+
+class FedTPPer(FedTP):
+    """FedTP+FedPer: generated attention and a classifier each client keeps locally."""
+
+    def personal_names(self) -> tuple[str, ...]:
+        return self.arch.head_names
+
+
+class FedTPRoD(FedTP):
+    """FedTP+FedRoD: a generic head shared by all and a personal head per client.
+
+    The body (with the generated attention) and the generic head, FedAvg'd, are trained with
+    the balanced softmax loss on the client's class counts; the personal head, kept locally,
+    reads the detached features and is trained with cross-entropy on the sum of the detached
+    generic logits and its own. Prediction: generic + personal logits.
+
+    Args:
+        **kwargs: see :class:`FedTP`.
+    """
+
+    PERSONAL_HEAD = "rod_head"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        classes, width = self.arch.shapes[f"{self.arch.head_module}.weight"]
+        with self.seeded_init():
+            head = nn.Linear(width, classes)
+        self.store.add_field(
+            "rod_head", {f"{self.PERSONAL_HEAD}.{n}": p for n, p in head.named_parameters()}
+        )
+
+    def _logits(self, tensors: Params, x: Tensor, train: bool) -> tuple[Tensor, Tensor]:
+        z = self.arch.features(self.network_tensors(tensors), x, train)
+        generic = self.arch.classify(tensors, z)
+        h = self.PERSONAL_HEAD
+        personal = F.linear(z.detach(), tensors[f"{h}.weight"], tensors[f"{h}.bias"])
+        return generic, personal
+
+    def rod_loss(
+        self, params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+    ) -> Tensor:
+        generic, personal = self._logits({**frozen, **params}, x, True)
+        balanced = balanced_softmax_cross_entropy(generic, y, frozen["class_counts"], weight)
+        return balanced + weighted_cross_entropy(generic.detach() + personal, y, weight)
+
+    def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
+        counts = torch.as_tensor(self.data.partition_counts()["train"], device=self.device)
+        heads = self.store.gather("rod_head", clients, self.device)
+        result = self.local_train(
+            start | heads,
+            clients,
+            round_idx,
+            loss_fn=self.rod_loss,
+            frozen={"class_counts": counts[clients].float()},
+        )
+        self.store.scatter("rod_head", clients, {n: result.params[n] for n in heads})
+        return result
+
+    def personalized_params(self, clients: Tensor) -> Params:
+        return super().personalized_params(clients) | self.store.gather(
+            "rod_head", clients, self.device
+        )
+
+    def predict(self, params: Params, x: Tensor) -> Tensor:
+        generic, personal = self._logits(params, x, False)
+        return generic + personal
+
+
+class FedTPKNN(FedTP):
+    """FedTP+kNN (after kNN-Per, Marfoq et al. 2022): a local memory of training features.
+
+    Training is FedTP's. At evaluation each client stores the features of its own training
+    samples under its personalized model; a prediction interpolates the model's softmax with
+    the class distribution of the ``knn_k`` nearest stored features:
+    lambda p_kNN + (1 - lambda) softmax(logits).
+
+    Args:
+        knn_k: neighbours k.
+        knn_weight: interpolation weight lambda of the kNN distribution.
+        knn_temperature: temperature T of the distance softmax over neighbours.
+        **kwargs: see :class:`FedTP`.
+    """
+
+    MEMORY = ("knn.memory", "knn.labels", "knn.mask")
+
+    def __init__(
+        self,
+        knn_k: PositiveInt = 10,
+        knn_weight: UnitInterval = 0.5,
+        knn_temperature: PositiveFloat = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+
+    @torch.no_grad()
+    def personalized_params(self, clients: Tensor) -> Params:
+        params = super().personalized_params(clients)
+        features, labels, masks = [], [], []
+        for index, weight in self.data.eval_blocks(clients, "train", self.hp.eval_batch_size):
+            x, y = self.data.fetch(index)
+            features.append(vmap(self.arch.features)(params, x).float())
+            labels.append(y)
+            masks.append(weight > 0)
+        memory = (torch.cat(features, 1), torch.cat(labels, 1), torch.cat(masks, 1))
+        return params | dict(zip(self.MEMORY, memory, strict=True))
+
+    def predict(self, params: Params, x: Tensor) -> Tensor:
+        h = self.hp
+        z = self.arch.features(self.network_tensors(params), x)
+        logits = self.arch.classify(params, z)
+        probs = knn_probabilities(
+            z,
+            params["knn.memory"],
+            params["knn.labels"],
+            params["knn.mask"],
+            h.num_classes,
+            h.knn_k,
+            h.knn_temperature,
+        )
+        return interpolate_with_knn(logits, probs, h.knn_weight)

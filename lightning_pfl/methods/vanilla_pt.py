@@ -1,0 +1,28 @@
+"""Vanilla Personalized-T (Li et al., FedTP paper): each client keeps its own attention."""
+
+from __future__ import annotations
+
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.models.transformers import qkv_names
+
+
+class VanillaPersonalizedT(FedAvg):
+    """FedAvg of a transformer in which every client keeps its own qkv projections.
+
+    The baseline FedTP improves on: the self-attention (each block's bias-free qkv projection)
+    is trained locally and never uploaded; every other tensor is FedAvg'd (sample-weighted).
+    Use it with ``net: vit`` or ``net: char_transformer``.
+
+    Args:
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
+    """
+
+    def personal_names(self) -> tuple[str, ...]:
+        names = qkv_names(tuple(self.arch.shapes))
+        if not names:
+            raise ConfigError(
+                f"model.init_args.net '{self.hp.net}' has no attention qkv projections; "
+                "VanillaPersonalizedT needs a transformer: vit or char_transformer."
+            )
+        return names
