@@ -60,7 +60,9 @@ class HeterogeneousModels(FederatedMethod):
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
-    def __init__(self, architectures: dict[str, dict[str, Any]] | None = None, **kwargs: Any):
+    def __init__(
+        self, architectures: dict[str, dict[str, Any]] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         h = self.hp
         default = {"net": {"net": h.net, "net_args": h.net_args or {}}}
