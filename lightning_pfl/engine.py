@@ -343,7 +343,13 @@ def train_clients(
     if graphs is None:
         params, momentum, state, loss_sum = rounds(*inputs)
     else:
-        code_key = (id(loss_fn), tuple(groups), fetch_key, vectorize, compile_step)
+        # A bound method (``self.some_loss``) is a new object at every access: key it by its
+        # function and instance so that a method's rounds replay one recording.
+        loss_key = (
+            id(getattr(loss_fn, "__func__", loss_fn)),
+            id(getattr(loss_fn, "__self__", None)),
+        )
+        code_key = (loss_key, tuple(groups), fetch_key, vectorize, compile_step)
         params, momentum, state, loss_sum = graphs(rounds, code_key, (loss_fn, fetch), *inputs)
     steps = batches.active.sum(1)
     return TrainResult(params, momentum, loss_sum / steps.clamp_min(1), steps, state)

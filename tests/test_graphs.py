@@ -117,7 +117,8 @@ def test_recorded_rounds_give_the_eager_result(
     recorded = _final_state(cls, EagerRecorder(), **kwargs)
     _assert_same(eager, recorded)
     graphs = recorded[2]
-    assert graphs is not None and graphs.replayed >= 3 and graphs.recorded <= graphs.replayed
+    # later rounds replay the first round's recordings
+    assert graphs is not None and graphs.replayed >= 3 and graphs.recorded < graphs.replayed
 
 
 def test_epochs_over_unequal_clients_share_one_recording() -> None:
