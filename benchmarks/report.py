@@ -23,6 +23,11 @@ def _mean_std(values: list[float | None]) -> str:
     return f"{statistics.mean(present):.2f} ± {statistics.pstdev(present):.2f}"
 
 
+def _largest(values: list[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    return f"{max(present):.3g}" if present else "-"
+
+
 def accuracy_table(files: list[dict[str, Any]]) -> str:
     """Mean ± standard deviation over seeds of every (split, method), methods in file order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -31,8 +36,9 @@ def accuracy_table(files: list[dict[str, Any]]) -> str:
             groups[(row["split"], row["method"])].append(row)
     lines = [
         "| split | method | seeds | rounds | test acc @ best val, mean over clients (%) "
-        "| sample-weighted (%) | test acc @ last round (%) | s/round | commit |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| sample-weighted (%) | test acc @ last round (%) | max train loss after round 100 "
+        "| s/round | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (split, method), rows in sorted(groups.items(), key=lambda item: item[0][0]):
         commits = sorted({r["commit"][:7] for r in rows})
@@ -41,6 +47,7 @@ def accuracy_table(files: list[dict[str, Any]]) -> str:
             f"| {_mean_std([r['test_acc_at_best_val'] for r in rows])} "
             f"| {_mean_std([r['test_acc_weighted_at_best_val'] for r in rows])} "
             f"| {_mean_std([r['test_acc_last'] for r in rows])} "
+            f"| {_largest([r.get('train_loss_max_after_100') for r in rows])} "
             f"| {statistics.mean(r['seconds_per_round'] for r in rows):.3f} "
             f"| {', '.join(commits)} |"
         )
