@@ -1,4 +1,10 @@
+import os
 from typing import Any
+
+# The suite runs one worker per core (pytest-xdist, `make test`): one thread per worker avoids
+# oversubscribing the cores; subprocess runs started by tests inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -12,6 +18,8 @@ from lightning_pfl.partition import ClassesPerClient
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.use_deterministic_algorithms(True)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def digits_data(num_clients: int = 6, **kwargs: Any) -> FederatedDataModule:
