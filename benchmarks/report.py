@@ -54,27 +54,46 @@ def accuracy_table(files: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
+
+
 def speed_table(result: dict[str, Any]) -> str:
     lines = [
-        "| method | clients/round | path | precision | s/round | client updates/s | TFLOP/s |",
-        "|---|---|---|---|---|---|---|",
+        "| method | clients/round | path | precision | s/round | client updates/s | TFLOP/s "
+        "| vs reference | vs sequential |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['method']} | {r['clients_per_round']} | {r['path']} | {r['precision']} "
             f"| {r['seconds_per_round']:.3f} | {r['client_updates_per_second']:.1f} "
-            f"| {r['achieved_tflops']:.4f} |"
+            f"| {r['achieved_tflops']:.4f} | {_ratio(r.get('speedup_over_reference'))} "
+            f"| {_ratio(r.get('speedup_over_sequential'))} |"
         )
-    lines += [
-        "",
-        "| method | total clients | clients/round | s/round | client state (MB) |",
-        "|---|---|---|---|---|",
-    ]
-    for r in result["total_clients_curve"]:
-        lines.append(
-            f"| {r['method']} | {r['num_clients']} | {r['clients_per_round']} "
-            f"| {r['seconds_per_round']:.3f} | {r['client_state_mb']:.1f} |"
-        )
+    if result.get("total_clients_curve"):
+        lines += [
+            "",
+            "| method | total clients | clients/round | s/round | client state (MB) |",
+            "|---|---|---|---|---|",
+        ]
+        for r in result["total_clients_curve"]:
+            lines.append(
+                f"| {r['method']} | {r['num_clients']} | {r['clients_per_round']} "
+                f"| {r['seconds_per_round']:.3f} | {r['client_state_mb']:.1f} |"
+            )
+    if result.get("end_to_end"):
+        lines += [
+            "",
+            "| end to end (`lightning-pfl fit`, pFedHN, 1 client/round): path | rounds "
+            "| s/round | of which training step |",
+            "|---|---|---|---|",
+        ]
+        for r in result["end_to_end"]:
+            lines.append(
+                f"| {r['path']} | {r['rounds']} | {r['end_to_end_seconds_per_round']:.4f} "
+                f"| {r['training_step_seconds_per_round']:.4f} |"
+            )
     return "\n".join(lines)
 
 

@@ -1,0 +1,59 @@
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import report, speed
+
+TINY = {"workload": "lenet5_mnist", "batch": 32, "batches_per_epoch": 4, "steps": 2}
+
+
+def one_round(path: str) -> dict[str, torch.Tensor]:
+    args = argparse.Namespace(device="cpu", **TINY)
+    torch.manual_seed(0)
+    model = speed.build("FedAvg", num_clients=4, clients_per_round=3, args=args, path=path)
+    before = {name: p.detach().clone() for name, p in model.net.named_parameters()}
+    speed.time_rounds(model, rounds=1, precision="32-true", device="cpu", path=path)
+    after = {name: p.detach().clone() for name, p in model.net.named_parameters()}
+    assert all(not torch.equal(before[name], after[name]) for name in after), "did not train"
+    return after
+
+
+@pytest.mark.parametrize("path", ["sequential", "vectorized"])
+def test_the_reference_loop_trains_the_same_model_as_the_engine(path: str) -> None:
+    """The speed ratios compare equal work: same clients, batches, optimizer and aggregation."""
+    reference, engine = one_round("reference"), one_round(path)
+    for name, value in reference.items():
+        torch.testing.assert_close(engine[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_speed_writes_json_that_the_report_renders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "speed.json"
+    argv = ["speed", "--device", "cpu", "--methods", "FedAvg", "--clients", "2", "--rounds", "1"]
+    argv += ["--workload", "lenet5_mnist", "--batch", "32", "--batches-per-epoch", "4"]
+    argv += ["--num-clients", "4", "--precisions", "32-true", "--out", str(out)]
+    argv += ["--paths", "reference", "sequential", "vectorized", "vectorized-graphs"]
+    monkeypatch.setattr(sys, "argv", argv)
+    speed.main()
+    result = json.loads(out.read_text())
+    rows = {row["path"]: row for row in result["rows"]}
+    assert set(rows) == {"reference", "sequential", "vectorized"}  # graphs: CUDA only
+    assert rows["reference"]["speedup_over_reference"] == 1.0
+    for row in rows.values():
+        assert row["seconds_per_round"] > 0
+        expected = rows["reference"]["seconds_per_round"] / row["seconds_per_round"]
+        assert row["speedup_over_reference"] == pytest.approx(expected)
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["report", str(out)])
+    report.main()
+    table = capsys.readouterr().out
+    assert [line.split(" | ")[2] for line in table.splitlines() if line.startswith("| FedAvg")] == [
+        "reference",
+        "sequential",
+        "vectorized",
+    ]
