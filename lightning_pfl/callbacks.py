@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 from types import FrameType
 from typing import Any
 
@@ -64,6 +65,16 @@ class RoundCheckpoint(ModelCheckpoint):
         self._signal: int | None = None
         self._save_after_validation = False
         self._previous_handlers: dict[int, Any] = {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.save_top_k != 0:
+            super().load_state_dict(state_dict)
+            return
+        # A resumed or tested run writes into its own version folder; Lightning then warns that
+        # the best-k bookkeeping of the old folder is dropped, which tracks nothing at top-k 0.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The dirpath has changed")
+            super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ signals
     def _handle(self, signum: int, frame: FrameType | None) -> None:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +147,11 @@ def test_configs_with_the_same_file_name_get_different_run_folders() -> None:
 def test_testing_a_checkpoint_reports_its_round(tmp_path: Path) -> None:
     cli(FEDAVG, tmp_path, "--trainer.max_steps=3", "--trainer.val_check_interval=3")
     ckpt = run_dir(tmp_path, FEDAVG) / "checkpoints" / "last.ckpt"
-    tested = cli(FEDAVG, tmp_path, f"--ckpt_path={ckpt}", subcommand="test")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tested = cli(FEDAVG, tmp_path, f"--ckpt_path={ckpt}", subcommand="test")
     assert tested["rounds"] == 3 and tested["test_last"]["round"] == 3
+    assert not [w for w in caught if "dirpath has changed" in str(w.message)]
 
 
 def events(folder: Path) -> EventAccumulator:
