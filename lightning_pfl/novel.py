@@ -108,8 +108,9 @@ class NovelClients(Callback):
     reference). With a TensorBoard logger, ``novel/accuracy_vs_tv_distance`` plots each novel
     client's final accuracy against the total-variation distance of its training label
     distribution to the nearest training client's. ``results.json`` gets a ``novel_clients``
-    entry (see :meth:`summary`). The final checkpoint, saved after this callback, holds the
-    adapted embeddings.
+    entry (see :meth:`summary`). The novel clients' embeddings are restored to their trained
+    values afterwards, so checkpoints and a resumed run never see the adaptation (call
+    :meth:`adapt` directly to keep the adapted embeddings).
 
     Args:
         steps: embedding SGD steps.
@@ -134,7 +135,11 @@ class NovelClients(Callback):
         assert isinstance(pl_module, FederatedMethod)
         if pl_module.stopped_by is None:  # interrupted: nothing was trained to the end
             return
+        table = adaptable_hypernetwork(pl_module).embeddings.weight
+        trained = table.detach()[pl_module.num_training_clients :].clone()
         history = self.adapt(pl_module)
+        with torch.no_grad():
+            table[pl_module.num_training_clients :] = trained
         train_acc = pl_module._evaluate_all("test")[0]["acc"]
         tv, nearest = self.label_distances(pl_module)
         final_acc = history["per_client_acc"][-1]
@@ -211,10 +216,13 @@ class NovelClients(Callback):
             (grad,) = torch.autograd.grad(total, hnet.embeddings.weight)
         return total.detach(), grad
 
-    def evaluate_novel(self, method: FederatedMethod) -> tuple[Tensor, Tensor]:
-        """Per-novel-client test accuracy ``[m]`` and the pooled accuracy (on device)."""
+    def evaluate_novel(self, method: FederatedMethod) -> Tensor:
+        """Per-novel-client test accuracy (NaN without test samples), their mean over clients
+        with samples and the pooled accuracy, concatenated ``[m + 2]`` (on device)."""
         correct, total, _ = method.evaluate(self.novel_ids(method), "test")
-        return correct / total.clamp_min(1), correct.sum() / total.sum().clamp_min(1)
+        per_client = torch.where(total > 0, correct / total.clamp_min(1), torch.nan)
+        pooled = correct.sum() / total.sum().clamp_min(1)
+        return torch.cat([per_client, per_client.nanmean()[None], pooled[None]])
 
     def adapt(self, method: FederatedMethod) -> dict[str, Any]:
         """Run the embedding SGD on the novel clients; return the accuracies at each
@@ -233,12 +241,11 @@ class NovelClients(Callback):
         }
         for step in range(self.steps + 1):
             if step % self.eval_every == 0 or step == self.steps:
-                per_client, pooled = self.evaluate_novel(method)
-                values = per_client.tolist()  # the loop's only host sync, at evaluation steps
+                *per_client, mean, pooled = self.evaluate_novel(method).tolist()  # host sync
                 history["eval_steps"].append(step)
-                history["per_client_acc"].append(values)
-                history["acc"].append(sum(values) / len(values))
-                history["acc_weighted"].append(float(pooled))
+                history["per_client_acc"].append(per_client)
+                history["acc"].append(mean)
+                history["acc_weighted"].append(pooled)
                 metrics = {
                     "novel/test_acc": history["acc"][-1],
                     "novel/test_acc_weighted": history["acc_weighted"][-1],

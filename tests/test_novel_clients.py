@@ -74,6 +74,19 @@ def test_adaptation_changes_only_the_novel_embedding_rows(cls: type[PFedHN]) -> 
             assert torch.equal(tensor, store_before[field][name]), f"{field} {name}"
 
 
+def test_the_callback_leaves_the_trained_model_as_it_was() -> None:
+    """Checkpoints and resumed runs never see the adaptation: the novel rows are restored."""
+    states = []
+    for callbacks in ([], [NovelClients(steps=5, lr=0.1, eval_every=5)]):
+        method = novel_method()
+        fit(method, method.data, rounds=3, callbacks=callbacks)
+        states.append(method.state_dict())
+    accuracy = method.results()["novel_clients"]["test_acc"]
+    assert accuracy[0] != accuracy[-1]  # the adaptation ran and changed the novel models
+    for name, tensor in states[0].items():
+        assert torch.equal(tensor, states[1][name]), name
+
+
 def test_embedding_gradient_is_autograd_of_the_summed_novel_loss() -> None:
     method = novel_method()
     assert isinstance(method, PFedHN)
