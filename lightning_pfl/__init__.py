@@ -1,5 +1,6 @@
 """lightning-pfl: personalized federated learning on PyTorch Lightning."""
 
+from lightning_pfl.callbacks import NovelClients, RoundCheckpoint
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.methods import (
     FedAvg,
@@ -23,10 +24,12 @@ __all__ = [
     "FederatedMethod",
     "FedSimSup",
     "Local",
+    "NovelClients",
     "PFedHN",
     "PFedHNPC",
     "PFedKT",
     "Pachinko",
     "Partitioner",
+    "RoundCheckpoint",
     "Shards",
 ]

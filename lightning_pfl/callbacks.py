@@ -1,4 +1,5 @@
-"""Checkpoints that survive crashes: periodic, timed, atomic, and on SIGINT/SIGTERM."""
+"""Checkpoints that survive crashes: periodic, timed, atomic, and on SIGINT/SIGTERM; the
+novel-client protocol (:class:`~lightning_pfl.novel.NovelClients`, re-exported here)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pfl.errors import ConfigError, RunInterrupted
+from lightning_pfl.novel import NovelClients
 from lightning_pfl.validation import NonNegativeInt, PositiveFloat
+
+__all__ = ["NovelClients", "RoundCheckpoint"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

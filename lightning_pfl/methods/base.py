@@ -40,6 +40,7 @@ from lightning_pfl.reporting import per_client_figure, report_partition
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Range,
@@ -90,6 +91,9 @@ class FederatedMethod(LightningModule, ABC):
             clients, the pFedHN paper's formula) or ``acc_weighted`` (pooled, its code's).
         offload_client_state: keep per-client state in pinned CPU memory.
         seed: seed of initialization, client sampling, batches and dropout.
+        novel_clients: the last this many client ids are held out of training (never sampled)
+            and of the validation and test metrics, for the novel-client generalization
+            protocol (pFedHN section 5.3, :class:`~lightning_pfl.novel.NovelClients`).
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class FederatedMethod(LightningModule, ABC):
         select_metric: Literal["acc", "acc_weighted"] = "acc",
         offload_client_state: bool = False,
         seed: Seed = 0,
+        novel_clients: NonNegativeInt = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -123,6 +128,13 @@ class FederatedMethod(LightningModule, ABC):
             raise ConfigError(
                 f"model.init_args.clients_per_round = {clients_per_round} exceeds the "
                 f"{num_clients} clients of the data; use 1..{num_clients}."
+            )
+        if clients_per_round > num_clients - novel_clients:
+            raise ConfigError(
+                f"model.init_args.clients_per_round = {clients_per_round} exceeds the "
+                f"{num_clients - novel_clients} training clients left when "
+                f"model.init_args.novel_clients = {novel_clients} of the {num_clients} are held "
+                f"out; lower one of them (clients_per_round + novel_clients <= {num_clients})."
             )
         with self.seeded_init(INIT_STREAM):
             try:
@@ -149,6 +161,7 @@ class FederatedMethod(LightningModule, ABC):
         self.checkpoint_round = 0
         self.stopped_by: str | None = None
         self.experiment: dict[str, Any] | None = None  # set by the CLI, checked on resume
+        self.extra_results: dict[str, Any] = {}  # entries callbacks add to results.json
         self.server_optimizer: torch.optim.Optimizer | None = None  # set by configure_optimizers
         self.round_graphs: RoundGraphs | None = None  # set in on_fit_start (needs the device)
 
@@ -403,11 +416,22 @@ class FederatedMethod(LightningModule, ABC):
     def on_test_start(self) -> None:
         self._place_state()
 
+    @property
+    def num_training_clients(self) -> int:
+        """Clients that train and are evaluated: all but the last ``novel_clients``."""
+        return int(self.hp.num_clients - self.hp.novel_clients)
+
+    def training_clients_of(self, clients: Tensor) -> Tensor:
+        """``clients`` without the held-out novel clients (unchanged when there are none)."""
+        if not self.hp.novel_clients:
+            return clients
+        return clients[clients < self.num_training_clients]
+
     def sample_clients(self, round_idx: int) -> Tensor:
         generator = torch.Generator().manual_seed(
             derive_seed(self.hp.seed, round_idx, CLIENT_STREAM)
         )
-        chosen = torch.randperm(self.hp.num_clients, generator=generator)
+        chosen = torch.randperm(self.num_training_clients, generator=generator)
         return chosen[: self.hp.clients_per_round].sort().values.to(self.device)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
@@ -482,16 +506,19 @@ class FederatedMethod(LightningModule, ABC):
         return correct, total, loss_sum
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        self.val_metric.update(batch, *self.evaluate(batch, "val"))
+        clients = self.training_clients_of(batch)
+        self.val_metric.update(clients, *self.evaluate(clients, "val"))
 
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
-        self.test_metric.update(batch, *self.evaluate(batch, "test"))
+        clients = self.training_clients_of(batch)
+        self.test_metric.update(clients, *self.evaluate(clients, "test"))
 
     def _evaluate_all(self, split: Split) -> tuple[dict[str, float], Tensor]:
-        """Statistics and per-client accuracies of every client on ``split`` (all ranks call)."""
+        """Statistics and per-client accuracies of every training client on ``split`` (all
+        ranks call)."""
         metric = ClientAccuracy(self.hp.num_clients, self.client_groups()).to(self.device)
         for chunk in self.data.client_chunks():
-            chunk = chunk.to(self.device)
+            chunk = self.training_clients_of(chunk.to(self.device))
             metric.update(chunk, *self.evaluate(chunk, split))
         return {k: float(v) for k, v in metric.compute().items()}, metric.per_client()
 
@@ -611,6 +638,7 @@ class FederatedMethod(LightningModule, ABC):
             "comm_bytes_down_total": float(self.comm_bytes_total[0]),
             "comm_bytes_up_total": float(self.comm_bytes_total[1]),
             "seed": self.hp.seed,
+            **self.extra_results,
         }
 
 
