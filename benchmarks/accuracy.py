@@ -69,6 +69,7 @@ SETTINGS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "fashion_mnist_mlp": ("fashion_mnist_mlp", {"pathological": []}),
     "digits_100clients": ("digits_100clients", {"pathological": []}),
     "fashion_mnist_hn_update": ("fashion_mnist_hn_update", {"pathological": []}),
+    "fashion_mnist_novel": ("fashion_mnist_novel", {"dirichlet": []}),
     "fashion_mnist_dirichlet": (
         "fashion_mnist",
         {
@@ -130,6 +131,7 @@ def summarize(
         "seconds_per_round": result["seconds_per_round"],
         "comm_bytes_total": result["comm_bytes_down_total"] + result["comm_bytes_up_total"],
         **result["stability"],
+        **({"novel_clients": result["novel_clients"]} if "novel_clients" in result else {}),
     }
 
 
