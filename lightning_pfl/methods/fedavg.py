@@ -79,17 +79,24 @@ class FedAvg(FederatedMethod):
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         sent = self.payload(clients)
-        start = {n: t.clone() for n, t in sent.items()}
-        if self.personal_names():
-            start |= self.store.gather("personal", clients, self.device)
-        result = self.train_clients(round_idx, clients, start)
-        if self.personal_names():
-            kept = {n: result.params[n] for n in self.personal_names()}
-            self.store.scatter("personal", clients, kept)
+        result = self.train_with_personal(
+            round_idx, clients, {n: t.clone() for n, t in sent.items()}
+        )
         uploaded = {n: result.params[n] for n in sent}
         self.aggregate(uploaded, self.client_weights(clients))
         self.record_communication(down=sent, up=uploaded)
         return result.loss
+
+    def train_with_personal(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
+        """:meth:`train_clients` from ``start`` plus each client's stored personal tensors; the
+        trained personal tensors go back to the store."""
+        personal = self.personal_names()
+        if personal:
+            start = start | self.store.gather("personal", clients, self.device)
+        result = self.train_clients(round_idx, clients, start)
+        if personal:
+            self.store.scatter("personal", clients, {n: result.params[n] for n in personal})
+        return result
 
     def aggregate(self, trained: Params, weights: Tensor) -> None:
         """Pseudo-gradient ``w - sum_i weights_i * trained_i`` of every shared parameter;

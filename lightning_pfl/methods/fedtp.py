@@ -145,12 +145,7 @@ class FedTP(FedAvg):
         personalized = {n: t.detach() for n, t in generated.items()}
         sent = self.shared_payload(clients)
         start = {n: t.clone() for n, t in (sent | personalized).items()}
-        if self.personal_names():
-            start |= self.store.gather("personal", clients, self.device)
-        result = self.train_clients(round_idx, clients, start)
-        if self.personal_names():
-            kept = {n: result.params[n] for n in self.personal_names()}
-            self.store.scatter("personal", clients, kept)
+        result = self.train_with_personal(round_idx, clients, start)
         weights = self.client_weights(clients)
         uploaded = {n: result.params[n] for n in sent}
         trained = {n: result.params[n] for n in generated}
