@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from lightning_pfl import methods
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, PFedHNPC
 from tests.conftest import build, digits_data, fit
 from tests.helpers import assert_vectorized_equals_sequential, capture_local_training
@@ -208,3 +210,25 @@ def test_hypernetwork_features_have_the_reference_mean_square() -> None:
         hnet = HyperNetwork(100, {"w": (4,)}, 26, 100, n_hidden)
         square = hnet.features(torch.arange(100)).pow(2).sum(-1).mean()
         torch.testing.assert_close(square, torch.tensor(REFERENCE_MEAN_SQUARE), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "APFL",
+        "FML",
+        "FedRoD",
+        "MAPPER",
+        "MOON",
+        "PerFedAvg",
+        "PFedGP",
+        "PFedHN",
+        "PFedHNPC",
+        "PFedKT",
+        "PFedLA",
+        "PFedMe",
+    ],
+)
+def test_methods_whose_math_needs_no_batch_norm_refuse_it_at_construction(name: str) -> None:
+    with pytest.raises(ConfigError, match="use a network without batch norm"):
+        build(getattr(methods, name), digits_data(6), net_args={"batch_norm": True})

@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult, weighted_cross_entropy
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import PositiveFloat, UnitInterval
 
@@ -73,8 +72,7 @@ class APFL(FedAvg):
         self, alpha: UnitInterval = 0.5, alpha_lr: PositiveFloat | None = None, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        if self.arch.stateful:
-            raise ConfigError("APFL mixes model weights: use a network without batch norm.")
+        self.refuse_batch_norm("APFL mixes model weights")
         self.store.add_field("local", self.arch.initial_params())
         self.store.add_field(ALPHA, {ALPHA: torch.tensor(float(alpha))})
         self.apfl_loss = self.make_loss()

@@ -187,6 +187,12 @@ class FederatedMethod(LightningModule, ABC):
         return {}
 
     # ----------------------------------------------------------------- helpers for methods
+    def refuse_batch_norm(self, reason: str) -> None:
+        """For methods whose math needs a network without batch-norm state: raise a ConfigError
+        ``"<reason>: use a network without batch norm."`` when the network has some."""
+        if self.arch.stateful:
+            raise ConfigError(f"{reason}: use a network without batch norm.")
+
     @property
     def hp(self) -> AttributeDict:
         """The saved ``__init__`` arguments (``self.hparams``), typed for attribute access."""

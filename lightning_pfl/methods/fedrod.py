@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_pfl.engine import Params, TrainResult, weighted_cross_entropy
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import balanced_softmax_cross_entropy
 from lightning_pfl.methods.fedavg import FedAvg
 
@@ -37,8 +36,7 @@ class FedRoD(FedAvg):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if self.arch.stateful:
-            raise ConfigError("FedRoD reads representations: use a network without batch norm.")
+        self.refuse_batch_norm("FedRoD reads representations")
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))
         classes, dim = self.arch.shapes[weight]
         head = {"weight": torch.zeros(classes, dim), "bias": torch.zeros(classes)}

@@ -7,7 +7,6 @@ from typing import Any
 from torch import Tensor
 
 from lightning_pfl.engine import ParamGroup, Params, TrainResult, weighted_cross_entropy
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import distillation_loss
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import UnitInterval
@@ -50,8 +49,7 @@ class FML(FedAvg):
 
     def __init__(self, alpha: UnitInterval = 0.5, beta: UnitInterval = 0.5, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if self.arch.stateful:
-            raise ConfigError("FML trains two models jointly: use a network without batch norm.")
+        self.refuse_batch_norm("FML trains two models jointly")
         self.store.add_field("private", self.arch.initial_params())
         self.loss_fn = self.mutual_loss  # one object per run (recorded rounds are keyed by it)
 

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult, weighted_cross_entropy
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fml import prefixed, split_prefixed
@@ -52,8 +51,7 @@ class MAPPER(FedAvg):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if self.arch.stateful:
-            raise ConfigError("MAPPER trains two models jointly: use a network without batch norm.")
+        self.refuse_batch_norm("MAPPER trains two models jointly")
         self.store.add_field("local", self.arch.initial_params())
         gate = torch.logit(torch.tensor(float(initial_lambda)).clamp(1e-6, 1 - 1e-6))
         self.store.add_field("gate", {"gate": gate})

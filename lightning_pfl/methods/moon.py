@@ -11,7 +11,6 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from lightning_pfl.engine import Params, TrainResult, weighted_cross_entropy
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg, _weighted_mean
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat, PositiveInt
@@ -60,8 +59,7 @@ class MOON(FedAvg):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if self.arch.stateful:
-            raise ConfigError("MOON reads representations: use a network without batch norm.")
+        self.refuse_batch_norm("MOON reads representations")
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))
         dim = self.arch.shapes[weight][1]
         with self.seeded_init():

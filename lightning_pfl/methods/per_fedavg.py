@@ -10,7 +10,6 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 
 from lightning_pfl.engine import Params, TrainResult, derive_seed, weighted_cross_entropy
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.pfedme import _linear_surrogate
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
@@ -68,8 +67,7 @@ class PerFedAvg(FedAvg):
             local_max_grad_norm=local_max_grad_norm,
             **kwargs,
         )
-        if self.arch.stateful:
-            raise ConfigError("Per-FedAvg: use a network without batch norm.")
+        self.refuse_batch_norm("Per-FedAvg")
         # one object for every round: a recorded round (CUDA graph) is keyed by the loss
         self.client_loss = self.maml_loss
 

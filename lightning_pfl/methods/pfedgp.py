@@ -103,6 +103,7 @@ class PFedGP(FedAvg):
         self, lengthscale: PositiveFloat = 0.5, noise: PositiveFloat = 0.1, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
+        self.refuse_batch_norm("pFedGP")
         self.gp_loss = self.marginal_likelihood_loss()
 
     def extractor(self, params: Params, x: Tensor, train: bool = False) -> Tensor:
@@ -126,8 +127,6 @@ class PFedGP(FedAvg):
         return {n: t for n, t in sent.items() if n not in self.arch.head_names}
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
-        if self.arch.stateful:
-            raise NotImplementedError("PFedGP: use a network without batch norm")
         return self.local_train(start, clients, round_idx, loss_fn=self.gp_loss)
 
     @torch.no_grad()

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.engine import Params
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.validation import (
@@ -72,10 +71,7 @@ class PFedHN(FederatedMethod):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if self.arch.stateful:
-            raise ConfigError(
-                f"{type(self).__name__} generates whole models: use a network without batch norm."
-            )
+        self.refuse_batch_norm(f"{type(self).__name__} generates whole models")
         n = self.hp.num_clients
         with self.seeded_init():
             self.hnet = HyperNetwork(

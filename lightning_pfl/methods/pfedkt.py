@@ -11,7 +11,6 @@ from torch import Tensor
 from torch.func import functional_call, vjp, vmap
 
 from lightning_pfl.engine import Params, TrainResult, weighted_cross_entropy
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.models.chunked_hypernetwork import ChunkedHyperNetwork
 from lightning_pfl.validation import (
@@ -99,8 +98,7 @@ class PFedKT(FedAvg):
             local_max_grad_norm=local_max_grad_norm,
             **kwargs,
         )
-        if self.arch.stateful:
-            raise ConfigError("pFedKT generates whole models: use a network without batch norm.")
+        self.refuse_batch_norm("pFedKT generates whole models")
         with self.seeded_init():
             hn = ChunkedHyperNetwork(
                 self.arch.shapes, embed_dim, hn_hidden, chunk_size, self.arch.initial_params()

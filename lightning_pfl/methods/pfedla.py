@@ -9,7 +9,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pfl.engine import Params
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.validation import Momentum, PositiveFloat, PositiveInt
 
@@ -76,10 +75,7 @@ class PFedLA(FederatedMethod):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if self.arch.stateful:
-            raise ConfigError(
-                "pFedLA mixes whole models layer by layer: use a network without batch norm."
-            )
+        self.refuse_batch_norm("pFedLA mixes whole models layer by layer")
         names = list(self.arch.shapes)
         self.layers = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names))
         self.layer_of = {n: self.layers.index(n.rsplit(".", 1)[0]) for n in names}

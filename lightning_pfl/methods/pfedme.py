@@ -96,8 +96,7 @@ class PFedMe(FedAvg):
             local_max_grad_norm=local_max_grad_norm,
             **kwargs,
         )
-        if self.arch.stateful:
-            raise ConfigError("pFedMe: use a network without batch norm.")
+        self.refuse_batch_norm("pFedMe")
         initial = self.arch.initial_params()
         self.store.add_field("theta", {THETA + n: t for n, t in initial.items()})
         # one object for every round: a recorded round (CUDA graph) is keyed by the loss
