@@ -17,7 +17,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -25,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.func import vmap
 
-from lightning_pfl.engine import ClientBatches, Params, derive_seed
+from lightning_pfl.engine import ClientBatches, Params, derive_seed, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.validation import PositiveFloat, PositiveInt, check_arguments
@@ -209,10 +208,8 @@ class NovelClients(Callback):
         with torch.enable_grad():
             params = {**fixed, **hnet(clients)}
             x, y = method.data.fetch(index)
-            logits = vmap(method.predict)(params, x).float()
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-            per_client = (loss.view_as(weight) * weight).sum(1) / weight.sum(1).clamp_min(1)
-            total = per_client.sum()
+            logits = vmap(method.predict)(params, x)
+            total = vmap(weighted_cross_entropy)(logits, y, weight).sum()
             (grad,) = torch.autograd.grad(total, hnet.embeddings.weight)
         return total.detach(), grad
 
