@@ -57,3 +57,14 @@ def test_speed_writes_json_that_the_report_renders(
         "sequential",
         "vectorized",
     ]
+
+
+def test_report_renders_end_to_end_rows_and_skips_an_empty_total_clients_table() -> None:
+    row = {"method": "FedAvg", "clients_per_round": 1, "path": "sequential", "precision": "32-true"}
+    row |= {"seconds_per_round": 0.5, "client_updates_per_second": 2.0, "achieved_tflops": 0.0}
+    end_to_end = {"path": "vectorized", "rounds": 9}
+    end_to_end |= {"end_to_end_seconds_per_round": 0.25, "training_step_seconds_per_round": 0.2}
+    result = {"rows": [row], "total_clients_curve": [], "end_to_end": [end_to_end]}
+    table = report.speed_table(result)
+    assert "total clients" not in table
+    assert "| vectorized | 9 | 0.2500 | 0.2000 |" in table.splitlines()
