@@ -1,4 +1,5 @@
-"""FedGH, pFedLHN, PeFLL, FedAKT and pFedGP: their distinguishing math and engine checks."""
+"""FedGH, pFedLHN, PeFLL, FedAKT, pFedGP and the heterogeneous Local: their distinguishing math
+and engine checks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedAKT, FedGH, PeFLL, PFedGP, PFedLHN
+from lightning_pfl.methods import (
+    FedAKT,
+    FedGH,
+    HeterogeneousLocal,
+    Local,
+    PeFLL,
+    PFedGP,
+    PFedLHN,
+)
 from lightning_pfl.methods.fedgh import train_header
 from lightning_pfl.methods.pfedgp import gp_negative_log_likelihood, gp_posterior_mean
 from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork
@@ -365,3 +374,43 @@ def test_pfedgp_vectorized_equals_sequential() -> None:
 
 def test_pfedlhn_resume_is_exact_with_the_shared_embedding(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "pfedlhn.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------- HeterogeneousLocal
+def test_heterogeneous_local_with_one_architecture_is_local() -> None:
+    dm = digits_data(6)
+    local, zoo = build(Local, dm), build(HeterogeneousLocal, dm)
+    assert isinstance(zoo, HeterogeneousLocal)
+    initial = local.store.gather("params", torch.arange(6), local.device)
+    zoo.store.scatter("model.net", torch.arange(6), initial)
+    for round_idx, clients in enumerate(([0, 2, 5], [2, 3, 4], [5, 0, 1])):
+        for method in (local, zoo):
+            method.run_round(round_idx, torch.tensor(clients))
+    everyone = torch.arange(6)
+    ours = zoo.store.gather("model.net", everyone, zoo.device)
+    theirs = local.store.gather("params", everyone, local.device)
+    for name in theirs:  # momentum carried across rounds the same way, too
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_heterogeneous_local_trains_only_the_sampled_clients_and_sends_nothing() -> None:
+    # Headers of different shapes are fine: nothing is shared.
+    architectures = {"cnn": {"net": "digits_cnn"}, "mlp": {"net": "mlp", "net_args": {"hidden": 7}}}
+    method = build(HeterogeneousLocal, digits_data(6), architectures=architectures)
+    before = {f: {n: t.clone() for n, t in ts.items()} for f, ts in method.store.fields.items()}
+    method.run_round(0, torch.tensor([0, 1, 2, 3]))
+    assert method._round_bytes == [0.0, 0.0]
+    for kind in architectures:
+        members = method.groups.members(kind)
+        sampled = torch.isin(members, torch.tensor([0, 1, 2, 3]))
+        for name, tensor in method.store.fields[f"model.{kind}"].items():
+            changed = (tensor != before[f"model.{kind}"][name]).flatten(1).any(1)
+            assert torch.equal(changed, sampled), (kind, name)
+
+
+def test_heterogeneous_local_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(HeterogeneousLocal, architectures=HETEROGENEOUS)
+
+
+def test_heterogeneous_local_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "heterogeneous_local.yaml", tmp_path)

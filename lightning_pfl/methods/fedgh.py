@@ -49,9 +49,9 @@ class HeterogeneousModels(FederatedMethod):
 
     Client architectures are named groups in ``architectures`` (see
     :mod:`lightning_pfl.assignment`; default: every client uses ``net``); each client's model
-    (parameters and buffers) lives in the client store under ``model.<group>``. Every header
-    (the last linear layer) must map the same representation size d to the classes, so that
-    something of size d can be shared. Clients of one architecture train together (one vmap
+    (parameters and buffers) lives in the client store under ``model.<group>``. Where
+    ``shares_header`` (FedGH, FedAKT), every header (the last linear layer) must map the same
+    representation size d to the classes, so that something of size d can be shared. Clients of one architecture train together (one vmap
     each) and their accuracy is also reported as ``<split>/arch_<name>/acc``. A client's
     personalized model is its own model as last trained.
 
@@ -59,6 +59,8 @@ class HeterogeneousModels(FederatedMethod):
         architectures: client architecture groups (default: every client uses ``net``).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
+
+    shares_header = True  # whether every architecture's header must have one shape
 
     def __init__(
         self, architectures: dict[str, dict[str, Any]] | None = None, **kwargs: Any
@@ -78,6 +80,10 @@ class HeterogeneousModels(FederatedMethod):
         self.header_names: dict[str, tuple[str, str]] = {}
         shapes = set()
         for kind, arch in self.groups.archs.items():
+            members = self.groups.members(kind)
+            self.store.add_field(f"model.{kind}", arch.initial_state(), len(members))
+            if not self.shares_header:
+                continue
             names = sorted(arch.head_names, key=lambda n: not n.endswith("weight"))
             if len(names) != 2 or len(arch.shapes[names[0]]) != 2:
                 raise ConfigError(
@@ -85,8 +91,8 @@ class HeterogeneousModels(FederatedMethod):
                 )
             self.header_names[kind] = (names[0], names[1])
             shapes.add(arch.shapes[names[0]])
-            members = self.groups.members(kind)
-            self.store.add_field(f"model.{kind}", arch.initial_state(), len(members))
+        if not self.shares_header:
+            return
         if len(shapes) != 1:
             raise ConfigError(
                 f"{type(self).__name__}: every client architecture must end in a header of the "
