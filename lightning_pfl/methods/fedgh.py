@@ -51,9 +51,9 @@ class HeterogeneousModels(FederatedMethod):
     :mod:`lightning_pfl.assignment`; default: every client uses ``net``); each client's model
     (parameters and buffers) lives in the client store under ``model.<group>``. Where
     ``shares_header`` (FedGH, FedAKT), every header (the last linear layer) must map the same
-    representation size d to the classes, so that something of size d can be shared. Clients of one architecture train together (one vmap
-    each) and their accuracy is also reported as ``<split>/arch_<name>/acc``. A client's
-    personalized model is its own model as last trained.
+    representation size d to the classes, so that something of size d can be shared. Clients
+    of one architecture train together (one vmap each) and their accuracy is also reported as
+    ``<split>/arch_<name>/acc``. A client's personalized model is its own model as last trained.
 
     Args:
         architectures: client architecture groups (default: every client uses ``net``).
