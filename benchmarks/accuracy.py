@@ -12,6 +12,9 @@ Settings (``--setting``), each a folder of configs, one per method:
   target, 2 classes per client, one client per round) at 10, 50 and 100 clients on FashionMNIST.
 - ``fashion_mnist_hn_update``: ``configs/fashion_mnist_hn_update/*.yaml``, pFedHN's two server
   updates with 10 clients per round (``hn_update: mean`` and ``per_client``).
+- ``fashion_mnist_mh``: ``configs/fashion_mnist_mh/*.yaml``, MH-pFedHN's setting reduced for a
+  CPU: 50 clients with a heterogeneous model zoo (and a homogeneous one), 75/25 holdout, on
+  non-IID_1 (2 classes per client) and non-IID_2 (Dirichlet(0.01), at least 40 samples each).
 - ``digits_100clients``: ``configs/digits_100clients/*.yaml``, the same protocol on digits with
   100 clients (no download).
 
@@ -70,6 +73,17 @@ SETTINGS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "digits_100clients": ("digits_100clients", {"pathological": []}),
     "fashion_mnist_hn_update": ("fashion_mnist_hn_update", {"pathological": []}),
     "fashion_mnist_novel": ("fashion_mnist_novel", {"dirichlet": []}),
+    "fashion_mnist_mh": (
+        "fashion_mnist_mh",
+        {
+            "pathological": [],
+            "dirichlet": [
+                "--data.init_args.partition=Dirichlet",
+                "--data.init_args.partition.init_args.alpha=0.01",
+                "--data.init_args.partition.init_args.min_samples=40",
+            ],
+        },
+    ),
     "fashion_mnist_dirichlet": (
         "fashion_mnist",
         {
