@@ -187,10 +187,11 @@ class FederatedMethod(LightningModule, ABC):
         return {}
 
     # ----------------------------------------------------------------- helpers for methods
-    def refuse_batch_norm(self, reason: str) -> None:
+    def refuse_batch_norm(self, reason: str, arch: Architecture | None = None) -> None:
         """For methods whose math needs a network without batch-norm state: raise a ConfigError
-        ``"<reason>: use a network without batch norm."`` when the network has some."""
-        if self.arch.stateful:
+        ``"<reason>: use a network without batch norm."`` when ``arch`` (default: the method's
+        target) has some."""
+        if (arch or self.arch).stateful:
             raise ConfigError(f"{reason}: use a network without batch norm.")
 
     @property
@@ -367,7 +368,7 @@ class FederatedMethod(LightningModule, ABC):
 
     def record_communication(self, down: Mapping[str, Tensor], up: Mapping[str, Tensor]) -> None:
         """Count the bytes of what the server sent and received this round (all clients)."""
-        self._round_bytes = [float(_nbytes(down)), float(_nbytes(up))]
+        self._round_bytes = [float(payload_bytes(down)), float(payload_bytes(up))]
 
     # ----------------------------------------------------------------- Lightning plumbing
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -648,7 +649,8 @@ class FederatedMethod(LightningModule, ABC):
         }
 
 
-def _nbytes(tensors: Mapping[str, Tensor]) -> int:
+def payload_bytes(tensors: Mapping[str, Tensor]) -> int:
+    """Bytes of ``tensors`` on the wire (from their shapes and dtypes: no host sync)."""
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

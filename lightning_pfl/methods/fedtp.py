@@ -26,6 +26,7 @@ from lightning_pfl.losses import (
 )
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.models import HyperNetwork
+from lightning_pfl.models.hypernetwork import set_delta_gradients
 from lightning_pfl.models.transformers import ViT, qkv_names
 from lightning_pfl.validation import (
     Momentum,
@@ -150,28 +151,16 @@ class FedTP(FedAvg):
         uploaded = {n: result.params[n] for n in sent}
         trained = {n: result.params[n] for n in generated}
         self.aggregate(uploaded, weights)
-        delta = {n: personalized[n] - trained[n] for n in generated}
-        self.set_hypernetwork_gradients(generated, delta, weights)
+        # grad(phi, v) = sum_i p_i J_i^T (W_i - W~_i), clipped to hn_max_grad_norm
+        set_delta_gradients(
+            list(self.hnet.parameters()),
+            list(generated.values()),
+            [personalized[n] - trained[n] for n in generated],
+            [weights] * len(generated),
+            self.hp.hn_max_grad_norm,
+        )
         self.record_communication(down=sent | personalized, up=uploaded | trained)
         return result.loss
-
-    def set_hypernetwork_gradients(self, generated: Params, delta: Params, weights: Tensor) -> None:
-        """grad(phi, v) = sum_i p_i J_i^T (W_i - W~_i), then clip to ``hn_max_grad_norm``."""
-        params = list(self.hnet.parameters())
-        p = weights.to(self.device)
-        grads = torch.autograd.grad(
-            list(generated.values()),
-            params,
-            grad_outputs=[
-                p.view(-1, *([1] * (t.dim() - 1))).to(t.dtype) * delta[n].to(t.dtype)
-                for n, t in generated.items()
-            ],
-            allow_unused=True,
-        )
-        for param, g in zip(params, grads, strict=True):
-            param.grad = g if g is not None else torch.zeros_like(param)
-        if self.hp.hn_max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.hp.hn_max_grad_norm)
 
     def network_tensors(self, tensors: Params) -> Params:
         """The target network's own tensors among ``tensors`` (without a variant's extras)."""

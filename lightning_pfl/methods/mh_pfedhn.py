@@ -29,6 +29,7 @@ from lightning_pfl.engine import (
 from lightning_pfl.losses import distillation_loss
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import build_network
+from lightning_pfl.models.hypernetwork import set_delta_gradients
 from lightning_pfl.models.multihead_hypernetwork import (
     FlatCodec,
     HeadSharing,
@@ -222,19 +223,13 @@ class MHPFedHN(FederatedMethod):
         (a list of ``[C_j, K_j]`` with their graphs) and flat ``deltas``, then clipped: the
         gradient of the surrogate sum_i w_i <g_i(phi, v), delta_i>. Parameters no generated
         vector depends on (heads of absent sizes) get no gradient (Adam skips them)."""
-        params = list(self.hnet.parameters())
-        offsets = [0]
-        for g in generated:
-            offsets.append(offsets[-1] + len(g))
-        grad_outputs = [
-            weights[a:b, None].to(d) * d
-            for a, b, d in zip(offsets[:-1], offsets[1:], deltas, strict=True)
-        ]
-        grads = torch.autograd.grad(generated, params, grad_outputs, allow_unused=True)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        if self.hp.hn_max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.hp.hn_max_grad_norm)
+        set_delta_gradients(
+            list(self.hnet.parameters()),
+            generated,
+            deltas,
+            list(weights.split([len(g) for g in generated])),
+            self.hp.hn_max_grad_norm,
+        )
 
     # ----------------------------------------------------------------- the round
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from lightning_pfl.engine import Params, derive_seed
 from lightning_pfl.methods.base import BATCH_STREAM
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
+from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads
 from lightning_pfl.validation import NonNegativeInt, PositiveInt
 
 DESCRIPTOR_PHASE = 1
@@ -52,7 +53,7 @@ class EmbeddingNetwork(nn.Module):
         return (z * weight.unsqueeze(-1)).sum(-2) / weight.sum(-1, keepdim=True).clamp_min(1)
 
 
-class PeFLLNetwork(nn.Module):
+class PeFLLNetwork(BaseHyperNetwork):
     """The two learned maps: descriptor v = e(S; psi), then theta = h(v; phi).
 
     h is pFedHN's hypernetwork (MLP, fixed feature scale, one head per target tensor) fed with
@@ -86,11 +87,7 @@ class PeFLLNetwork(nn.Module):
     def generate(self, descriptors: Tensor) -> dict[str, Tensor]:
         """theta = h(v; phi) for descriptors ``[C, dim]``, stacked ``[C, *shape]``."""
         g = self.generator
-        features = g.feature_scale(g.mlp(descriptors))
-        return {
-            name: head(features).float().view(len(descriptors), *shape)
-            for (name, shape), head in zip(g.target_shapes.items(), g.heads, strict=True)
-        }
+        return apply_heads(g.feature_scale(g.mlp(descriptors)), g.target_shapes, g.heads)
 
     def forward(self, x: Tensor, y: Tensor, weight: Tensor) -> dict[str, Tensor]:
         return self.generate(self.embedder(x, y, weight))
@@ -138,19 +135,20 @@ class PeFLL(PFedHN):
         **kwargs: Any,
     ) -> None:
         super().__init__(n_hidden=n_hidden, **kwargs)
+
+    def build_hypernetwork(self) -> PeFLLNetwork:
         h = self.hp
         dim = h.embed_dim or int(1 + h.num_clients / 4)
-        with self.seeded_init():  # replaces the embedding-table hypernetwork PFedHN built
-            embedder = EmbeddingNetwork(h.input_shape, h.num_classes, embedding_hidden, dim)
-            self.hnet = PeFLLNetwork(  # type: ignore[assignment]
-                embedder,
-                self.generated_shapes(),
-                dim,
-                h.hidden_dim,
-                n_hidden,
-                h.spectral_norm,
-                self.arch.initial_params(),
-            )
+        embedder = EmbeddingNetwork(h.input_shape, h.num_classes, h.embedding_hidden, dim)
+        return PeFLLNetwork(
+            embedder,
+            self.generated_shapes(),
+            dim,
+            h.hidden_dim,
+            h.n_hidden,
+            h.spectral_norm,
+            self.arch.initial_params(),
+        )
 
     @property
     def network(self) -> PeFLLNetwork:

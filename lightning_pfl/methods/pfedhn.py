@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_pfl.engine import Params
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import HyperNetwork
+from lightning_pfl.models.hypernetwork import BaseHyperNetwork, set_delta_gradients
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -72,17 +73,23 @@ class PFedHN(FederatedMethod):
     ) -> None:
         super().__init__(**kwargs)
         self.refuse_batch_norm(f"{type(self).__name__} generates whole models")
-        n = self.hp.num_clients
         with self.seeded_init():
-            self.hnet = HyperNetwork(
-                n,
-                self.generated_shapes(),
-                embed_dim or int(1 + n / 4),
-                hidden_dim,
-                n_hidden,
-                spectral_norm,
-                self.arch.initial_params(),
-            )
+            self.hnet = self.build_hypernetwork()
+
+    def build_hypernetwork(self) -> BaseHyperNetwork:
+        """The server hypernetwork ``hnet`` (called once, seeded, in ``__init__``): pFedHN's
+        embedding table, MLP and one head per tensor of :meth:`generated_shapes`."""
+        h = self.hp
+        n = h.num_clients
+        return HyperNetwork(
+            n,
+            self.generated_shapes(),
+            h.embed_dim or int(1 + n / 4),
+            h.hidden_dim,
+            h.n_hidden,
+            h.spectral_norm,
+            self.arch.initial_params(),
+        )
 
     def generated_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """Shapes of the tensors the hypernetwork generates (all target tensors)."""
@@ -133,24 +140,29 @@ class PFedHN(FederatedMethod):
                 optimizer.step()
 
     def set_hypernetwork_gradients(
-        self, generated: Params, delta: Params, rows: slice | None = None
+        self,
+        generated: Params,
+        delta: Params,
+        rows: slice | None = None,
+        weights: Tensor | None = None,
     ) -> None:
-        """grad = sum_i w_i J_i^T delta_i over ``delta``'s clients (``generated[rows]``) with
-        w_i = 1 / their number, then clip to ``hn_max_grad_norm``."""
+        """grad(phi, v) = sum_i w_i J_i^T delta_i over ``delta``'s clients (``generated[rows]``),
+        the gradient of sum_i w_i <h(v_i; phi), delta_i>, then clip to ``hn_max_grad_norm``.
+
+        ``weights`` are the w_i ``[C]`` (default 1/C each: the mean over the clients).
+        """
         outputs = {n: t[rows] if rows is not None else t for n, t in generated.items()}
-        weight = 1.0 / len(next(iter(delta.values())))
-        params = [p for p in self.hnet.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(
+        first = next(iter(delta.values()))
+        if weights is None:
+            weights = torch.full((len(first),), 1.0 / len(first), device=first.device)
+        set_delta_gradients(
+            [p for p in self.hnet.parameters() if p.requires_grad],
             list(outputs.values()),
-            params,
-            grad_outputs=[weight * delta[n].to(outputs[n].dtype) for n in outputs],
-            allow_unused=True,
+            [delta[n] for n in outputs],
+            [weights] * len(outputs),
+            self.hp.hn_max_grad_norm,
             retain_graph=rows is not None,
         )
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g if g is not None else torch.zeros_like(p)
-        if self.hp.hn_max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.hp.hn_max_grad_norm)
 
     def personalized_params(self, clients: Tensor) -> Params:
         with torch.no_grad():

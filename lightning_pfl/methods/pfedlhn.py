@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
+from lightning_pfl.models.hypernetwork import BaseHyperNetwork
 from lightning_pfl.validation import NonNegativeInt, PositiveInt
 
 
@@ -20,7 +21,7 @@ def layers_of(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, dict[str, tupl
     return layers
 
 
-class LayerwiseHyperNetwork(nn.Module):
+class LayerwiseHyperNetwork(BaseHyperNetwork):
     """h_l(v_i; phi_l) for every layer l of the target: one small pFedHN hypernetwork per layer.
 
     Each layer's HN is a :class:`~lightning_pfl.models.HyperNetwork` (MLP and one head per
@@ -71,10 +72,6 @@ class LayerwiseHyperNetwork(nn.Module):
         }
         return list(unique.values())
 
-    def body_parameters(self) -> list[nn.Parameter]:
-        embedding_ids = {id(p) for p in self.embedding_parameters()}
-        return [p for p in self.parameters() if id(p) not in embedding_ids]
-
 
 class PFedLHN(PFedHN):
     """pFedHN whose hypernetwork is split into layer-wise modules.
@@ -104,16 +101,17 @@ class PFedLHN(PFedHN):
         **kwargs: Any,
     ) -> None:
         super().__init__(hidden_dim=hidden_dim, n_hidden=n_hidden, **kwargs)
+
+    def build_hypernetwork(self) -> LayerwiseHyperNetwork:
         h = self.hp
         n = h.num_clients
-        with self.seeded_init():  # replaces the whole-model hypernetwork PFedHN built
-            self.hnet = LayerwiseHyperNetwork(  # type: ignore[assignment]
-                n,
-                self.generated_shapes(),
-                h.embed_dim or int(1 + n / 4),
-                hidden_dim,
-                n_hidden,
-                h.spectral_norm,
-                self.arch.initial_params(),
-                shared_embedding,
-            )
+        return LayerwiseHyperNetwork(
+            n,
+            self.generated_shapes(),
+            h.embed_dim or int(1 + n / 4),
+            h.hidden_dim,
+            h.n_hidden,
+            h.spectral_norm,
+            self.arch.initial_params(),
+            h.shared_embedding,
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -73,7 +74,65 @@ def match_target_init(
         bias.mul_(scale).add_(float(values.mean()))
 
 
-class HyperNetwork(nn.Module):
+def set_delta_gradients(
+    params: Sequence[nn.Parameter],
+    generated: Sequence[Tensor],
+    deltas: Sequence[Tensor],
+    weights: Sequence[Tensor],
+    max_norm: float | None,
+    retain_graph: bool = False,
+) -> None:
+    """Set p.grad = sum_k sum_i w_ki (d g_ki / d p)^T delta_ki, then clip the norm to ``max_norm``.
+
+    ``generated[k]`` is a tensor the hypernetwork generated for several clients, stacked
+    ``[C_k, ...]`` with its graph, ``deltas[k]`` its clients' deltas (same shape) and
+    ``weights[k]`` their weights ``[C_k]``. The result is the gradient of the surrogate
+    sum_k sum_i w_ki <g_ki(p), delta_ki> at the current p (with delta = g - g~, that of
+    sum_k sum_i w_ki 0.5 ||g_ki(p) - g~_ki||^2), computed in one backward pass. Parameters no
+    generated tensor depends on get no gradient (``None``), so the optimizer leaves them as
+    they are (no weight decay nor momentum step); ``max_norm`` None: no clipping.
+    """
+    grad_outputs = [
+        w.to(g.dtype).view(-1, *([1] * (g.dim() - 1))) * d.to(g.dtype)
+        for g, d, w in zip(generated, deltas, weights, strict=True)
+    ]
+    grads = torch.autograd.grad(
+        list(generated), list(params), grad_outputs, allow_unused=True, retain_graph=retain_graph
+    )
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def apply_heads(
+    features: Tensor, target_shapes: Mapping[str, tuple[int, ...]], heads: nn.ModuleList
+) -> dict[str, Tensor]:
+    """Every head's output on ``features`` ``[C, width]``, reshaped to its tensor: ``[C, *shape]``.
+
+    Outputs are float32 even under autocast: they are the clients' master weights.
+    """
+    return {
+        name: head(features).float().view(len(features), *shape)
+        for (name, shape), head in zip(target_shapes.items(), heads, strict=True)
+    }
+
+
+class BaseHyperNetwork(nn.Module, ABC):
+    """A hypernetwork whose parameters split into client embeddings and the rest (the two
+    parameter groups of pFedHN's server optimizer, the first trained with ``embed_lr``)."""
+
+    @abstractmethod
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The client embeddings (or what stands for them)."""
+
+    def body_parameters(self) -> list[nn.Parameter]:
+        """Every parameter but :meth:`embedding_parameters`."""
+        embedding_ids = {id(p) for p in self.embedding_parameters()}
+        return [p for p in self.parameters() if id(p) not in embedding_ids]
+
+
+class HyperNetwork(BaseHyperNetwork):
     """h(v_i; phi): maps client ``i``'s embedding v_i to every tensor of a target network.
 
     Linear(E, hidden), then ``n_hidden`` x [ReLU, Linear(hidden, hidden)], no activation before
@@ -110,47 +169,49 @@ class HyperNetwork(nn.Module):
         target_init: Mapping[str, Tensor] | None = None,
     ) -> None:
         super().__init__()
-
-        def linear(i: int, o: int) -> nn.Module:
-            layer = nn.Linear(i, o)
-            return add_spectral_norm(layer) if spectral_norm else layer
-
+        self.hidden_dim = hidden_dim
+        self.spectral_norm = spectral_norm
         self.target_shapes = {name: tuple(shape) for name, shape in target_shapes.items()}
         self.embeddings = nn.Embedding(num_clients, embed_dim)
-        layers: list[nn.Module] = [linear(embed_dim, hidden_dim)]
+        layers: list[nn.Module] = [self.linear(embed_dim, hidden_dim)]
         for _ in range(n_hidden):
-            layers += [nn.ReLU(), linear(hidden_dim, hidden_dim)]
+            layers += [nn.ReLU(), self.linear(hidden_dim, hidden_dim)]
         self.mlp = nn.Sequential(*layers)
         self.feature_scale = FeatureScale()
-        self.heads = nn.ModuleList(
-            linear(hidden_dim, math.prod(shape)) for shape in self.target_shapes.values()
-        )
         with torch.no_grad():
             self.feature_scale.calibrate(self.mlp(self.embeddings.weight))
-            features = self.features(torch.arange(num_clients))
-        if target_init is not None and not spectral_norm:
-            match_target_init(
-                list(self.heads), features, [target_init[n] for n in self.target_shapes]
-            )
+        self.heads = self.new_heads(self.target_shapes, target_init)
+
+    def linear(self, i: int, o: int) -> nn.Module:
+        """A Linear(i, o) layer, spectrally normalized with ``spectral_norm``."""
+        layer = nn.Linear(i, o)
+        return add_spectral_norm(layer) if self.spectral_norm else layer
+
+    def new_heads(
+        self,
+        target_shapes: Mapping[str, tuple[int, ...]],
+        target_init: Mapping[str, Tensor] | None = None,
+    ) -> nn.ModuleList:
+        """One Linear(hidden, numel) head per tensor of ``target_shapes`` reading this network's
+        features, rescaled to ``target_init`` over the features of the initial embeddings (see
+        :func:`match_target_init`; not with ``spectral_norm``)."""
+        heads = nn.ModuleList(
+            self.linear(self.hidden_dim, math.prod(shape)) for shape in target_shapes.values()
+        )
+        with torch.no_grad():  # also with spectral norm: each forward is a power iteration
+            features = self.features(torch.arange(self.embeddings.num_embeddings))
+        if target_init is not None and not self.spectral_norm:
+            match_target_init(list(heads), features, [target_init[n] for n in target_shapes])
+        return heads
 
     def features(self, clients: Tensor) -> Tensor:
         """The scaled features h(v_i) that every head reads."""
         return self.feature_scale(self.mlp(self.embeddings(clients)))
 
     def forward(self, clients: Tensor) -> dict[str, Tensor]:
-        """Generate the target tensors of ``clients`` (shape [C]) stacked as [C, *shape].
-
-        Outputs are float32 even under autocast: they are the clients' master weights.
-        """
-        features = self.features(clients)
-        return {
-            name: head(features).float().view(len(clients), *shape)
-            for (name, shape), head in zip(self.target_shapes.items(), self.heads, strict=True)
-        }
+        """Generate the target tensors of ``clients`` (shape [C]) stacked as [C, *shape] (float32,
+        see :func:`apply_heads`)."""
+        return apply_heads(self.features(clients), self.target_shapes, self.heads)
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         return list(self.embeddings.parameters())
-
-    def body_parameters(self) -> list[nn.Parameter]:
-        embedding_ids = {id(p) for p in self.embedding_parameters()}
-        return [p for p in self.parameters() if id(p) not in embedding_ids]
