@@ -93,9 +93,10 @@ class MHPFedHN(FederatedMethod):
             update is unchanged. Within an architecture's vmapped group the choice is a
             per-client mask (no per-client loop); the frozen tensors' gradients are still
             computed (as zeros), so the saving is simulated, not realized.
-        frozen_layers: how many leading layers a frozen client holds fixed; a layer is a module
-            owning parameters, in the network's parameter order (a batch-norm layer counts as
-            one); every architecture must keep at least one layer trainable.
+        frozen_layers: how many leading layers a frozen client holds fixed (that they are the
+            leading ones is our reading of the paper); a layer is a module owning parameters, in
+            the network's parameter order (a batch-norm layer counts as one); every architecture
+            must keep at least one layer trainable.
         hn_lr: Adam learning rate of phi and the embeddings (paper: 2e-4).
         hn_weight_decay: Adam weight decay.
         hn_max_grad_norm: clip of the server gradient norm (paper: 50; None: off).
