@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch.func import vmap
 
-from lightning_pfl.engine import Architecture
+from lightning_pfl.engine import Architecture, cross_entropy_loss, weighted_cross_entropy
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import distillation_loss
-from lightning_pfl.methods.mh_pfedhn import MHPFedHN, MHPFedHNG, MHPFedHNGD
+from lightning_pfl.methods.mh_pfedhn import HOLDS, MHPFedHN, MHPFedHNG, MHPFedHNGD
 from lightning_pfl.models import build_network
 from lightning_pfl.models.multihead_hypernetwork import (
     FlatCodec,
@@ -40,6 +42,7 @@ ZOO = [
     "squeezenet1_0",
     "squeezenet1_1",
 ]
+ROOT = Path(__file__).parents[1]
 SHAPES = [((1, 8, 8), 10), ((1, 28, 28), 62), ((3, 32, 32), 100), ((3, 64, 64), 200)]
 
 
@@ -325,3 +328,245 @@ def test_per_architecture_accuracy_is_logged(tmp_path: Path) -> None:
     for name in ("cnn", "mlp", "resnet"):
         assert f"arch_{name}/acc" in result["test_at_best_val"]
     assert set(result["client_parameters"]) == {"cnn", "mlp", "resnet"}
+
+
+# ---------------------------------------------------------------- Tables 13-15
+def spy_client_updates(method: MHPFedHN) -> list[tuple[Any, ...]]:
+    """Record (clients, flat, delta, trained) of every ``client_update`` of ``method``."""
+    seen: list[tuple[Any, ...]] = []
+    original = method.client_update
+
+    def spy(codec: Any, arch: Any, clients: Any, flat: Any, *args: Any, **kwargs: Any) -> Any:
+        delta, trained, loss = original(codec, arch, clients, flat, *args, **kwargs)
+        seen.append((clients, flat, delta, trained))
+        return delta, trained, loss
+
+    method.client_update = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_frozen_clients_keep_their_leading_layers_at_the_generated_values() -> None:
+    options: dict[str, Any] = {"hn_max_grad_norm": None, "local_weight_decay": 0.01}
+    plain = build_mh(**options)
+    cnn = plain.zoo.members("cnn").tolist()
+    method = build_mh(frozen_clients=[cnn[0]], frozen_layers=2, **options)
+    names = ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias")
+    assert method.frozen_names["cnn"] == names and method.frozen.nonzero()[:, 0].tolist() == cnn[:1]
+    clients = torch.tensor(sorted([*cnn, *plain.zoo.members("mlp").tolist()]))
+    seen, reference = spy_client_updates(method), spy_client_updates(plain)
+    method.run_round(0, clients)
+    plain.run_round(0, clients)
+    kinds = [kind for kind, _ in method.zoo.split(clients)]
+    (members, flat, delta, trained), (_, _, plain_delta, plain_trained) = [
+        (s, r) for kind, s, r in zip(kinds, seen, reference, strict=True) if kind == "cnn"
+    ][0]
+    assert members.tolist() == cnn  # the frozen and the free client train in one vmapped group
+    codec = method.codecs["cnn"]
+    generated = codec.to_params(flat)
+    entries = torch.cat(
+        [torch.full((k,), n in names) for n, k in zip(codec.names, codec.sizes, strict=True)]
+    )
+    for n in names:  # frozen: exactly the generated values, delta exactly 0
+        assert torch.equal(trained[n][0], generated[n][0]), n
+    assert torch.equal(delta[0, entries], torch.zeros(int(entries.sum())))
+    assert (delta[0, ~entries] != 0).any() and (delta[1, entries] != 0).any()
+    for n in codec.names:  # the free client trains exactly as without frozen clients
+        torch.testing.assert_close(trained[n][1], plain_trained[n][1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(delta[1], plain_delta[1], rtol=1e-5, atol=1e-7)
+    # the frozen client's other tensors: as if its leading layers were not trainable at all
+    arch = method.zoo.archs["cnn"]
+    position = torch.tensor([clients.tolist().index(cnn[0])])
+    alone = method.local_train(
+        {n: generated[n][:1] for n in codec.names if n not in names},
+        torch.tensor(cnn[:1]),
+        0,
+        loss_fn=cross_entropy_loss(arch),
+        frozen={n: generated[n][:1] for n in names},
+        batches=method.draw_batches(clients, 0).select(position),
+        arch=arch,
+    )
+    for n, t in alone.params.items():
+        torch.testing.assert_close(trained[n][:1], t, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_frozen_and_global_client_options_are_seeded_and_validated() -> None:
+    a, b = build_mh(MHPFedHNG, frozen_clients=0.5, global_clients=0.5), build_mh(frozen_clients=0.5)
+    assert isinstance(a, MHPFedHNG)
+    assert int(a.frozen.sum()) == 3 and torch.equal(a.frozen, b.frozen)
+    assert int(a.holds_global.sum()) == 3 and not torch.equal(a.frozen, a.holds_global)
+    assert a.results()["global_clients"] == a.holds_global.nonzero()[:, 0].tolist()
+    assert not build_mh().freezes and build_mh(MHPFedHNG).holds_global.all()
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"frozen_clients": 1.5}, "model.init_args.frozen_clients"),
+        ({"frozen_clients": [0, 6]}, "model.init_args.frozen_clients"),
+        ({"frozen_clients": [1, 1]}, "model.init_args.frozen_clients"),
+        ({"frozen_clients": [-1]}, "model.init_args.frozen_clients"),
+        ({"frozen_layers": 5}, "model.init_args.frozen_layers"),  # the MLP has 3 layers
+        ({"frozen_layers": 0}, "model.init_args.frozen_layers"),
+        ({"global_clients": 0.0}, "model.init_args.global_clients"),
+        ({"global_clients": 0.05}, "model.init_args.global_clients"),  # 0 of 6 clients
+        ({"global_clients": []}, "model.init_args.global_clients"),
+        ({"global_clients": [6]}, "model.init_args.global_clients"),
+    ]
+    for options, key in bad:
+        with pytest.raises(ConfigError, match=key):
+            build_mh(MHPFedHNG, **options)
+
+
+def test_only_holders_train_the_global_model_and_set_its_gradient() -> None:
+    method = build_mh(MHPFedHNGD, global_clients=[0, 2], hn_max_grad_norm=None)
+    before = copy.deepcopy(method.hnet)
+    calls: list[tuple[Any, ...]] = []
+    original = method.local_train
+
+    def spy(params: Any, clients: Any, round_idx: int, **kwargs: Any) -> Any:
+        result = original(params, clients, round_idx, **kwargs)
+        calls.append((clients, kwargs.get("frozen"), result))
+        return result
+
+    setattr(method, "local_train", spy)  # noqa: B010
+    grads: list[list[Any]] = []
+    assert method.server_optimizer is not None
+    step = method.server_optimizer.step
+
+    def snapshot(*args: Any, **kwargs: Any) -> Any:
+        grads.append([None if p.grad is None else p.grad.clone() for p in method.hnet.parameters()])
+        return step(*args, **kwargs)
+
+    setattr(method.server_optimizer, "step", snapshot)  # noqa: B010
+    clients = torch.tensor([0, 1, 2, 3])
+    method.run_round(0, clients)
+    holders, _, global_result = calls[0]
+    assert holders.tolist() == [0, 2] and len(grads) == 1  # the personal step: training_step
+    # the global step: autograd of the holders' sample-weighted surrogate, nothing of the others
+    flat = before([method.hp.num_clients])
+    deltas = flat.detach() - method.global_codec.to_flat(global_result.params)
+    weights = method.client_weights(holders)
+    surrogate = (flat * (weights[:, None] * deltas).sum(0, keepdim=True)).sum()
+    expected = torch.autograd.grad(surrogate, list(before.parameters()), allow_unused=True)
+    for got, want in zip(grads[0], expected, strict=True):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    # personal training: holders distil from their own trained copy, the others get no teacher
+    position = {0: 0, 2: 1}
+    for members, frozen, _ in calls[1:]:
+        assert frozen[HOLDS].tolist() == [c in position for c in members.tolist()]
+        for i, c in enumerate(members.tolist()):
+            for name, tensor in global_result.params.items():
+                teacher = frozen[f"teacher.{name}"][i]
+                if c in position:
+                    assert torch.equal(teacher, tensor[position[c]])
+                else:
+                    assert not teacher.any()
+
+
+def test_clients_without_the_global_model_use_plain_cross_entropy() -> None:
+    method = build_mh(MHPFedHNGD, global_clients=[0], distill_temperature=3.0, distill_weight=0.25)
+    assert isinstance(method, MHPFedHNGD)
+    arch = method.zoo.archs["cnn"]
+    student = {n: t.requires_grad_() for n, t in arch.initial_params().items()}
+    torch.manual_seed(1)
+    teacher = {n: torch.randn_like(t) for n, t in method.global_arch.initial_params().items()}
+    x, y, w = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4]), torch.ones(5)
+    w[-1] = 0.0
+    frozen = {f"teacher.{n}": t for n, t in teacher.items()}
+    loss = method.distill_losses["cnn"]
+    without = loss(student, {**frozen, HOLDS: torch.tensor(False)}, x, y, w)
+    ce = weighted_cross_entropy(arch(student, x, train=True), y, w)
+    assert isinstance(without, torch.Tensor) and torch.equal(without, ce)
+    for g, h in zip(
+        torch.autograd.grad(without, list(student.values())),
+        torch.autograd.grad(ce, list(student.values())),
+        strict=True,
+    ):
+        assert torch.equal(g, h)
+    holding = loss(student, {**frozen, HOLDS: torch.tensor(True)}, x, y, w)
+    torch.testing.assert_close(holding, loss(student, frozen, x, y, w))  # lambda CE + ... KL
+
+
+def test_a_round_without_holders_takes_no_global_step() -> None:
+    method = build_mh(MHPFedHNG, global_clients=[0])
+    row = method.hp.num_clients  # the global model's row
+    start, tau = method.hnet.slot_start[row], method.hnet.tau[row]
+    v_g = method.hnet.embeddings[start : start + tau].detach().clone()
+    calls = capture_local_training(method)
+    steps: list[int] = []
+    assert method.server_optimizer is not None
+    step = method.server_optimizer.step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(1)
+        return step(*args, **kwargs)
+
+    setattr(method.server_optimizer, "step", counted)  # noqa: B010
+    clients = torch.tensor([1, 2, 3])
+    method.run_round(0, clients)
+    assert not steps and len(calls) == len(list(method.zoo.split(clients)))  # personal only
+    assert torch.equal(method.hnet.embeddings[start : start + tau], v_g)
+    no_global = method._round_bytes[0]
+    method.run_round(1, torch.tensor([0, 2, 3]))  # client 0 holds it: the global flat goes down
+    assert len(steps) == 1 and method._round_bytes[0] > no_global
+
+
+def test_vectorized_equals_sequential_with_frozen_clients() -> None:
+    assert_vectorized_equals_sequential(
+        MHPFedHN,
+        rounds=2,
+        num_clients=6,
+        architectures=TINY,
+        **{**SMALL, "hn_lr": 1e-2, "frozen_clients": 0.5, "frozen_layers": 2},
+    )
+
+
+def sent_and_kept(vectorize: bool, **options: Any) -> tuple[list[torch.Tensor], Any]:
+    """Both server gradients of one MH-pFedHNGD round and the clients' store afterwards."""
+    method = build_mh(MHPFedHNGD, vectorize=vectorize, hn_max_grad_norm=None, **options)
+    grads: list[torch.Tensor] = []
+    assert method.server_optimizer is not None
+    step = method.server_optimizer.step
+
+    def snapshot(*args: Any, **kwargs: Any) -> Any:
+        grads.extend(p.grad.clone() for p in method.hnet.parameters() if p.grad is not None)
+        return step(*args, **kwargs)
+
+    setattr(method.server_optimizer, "step", snapshot)  # noqa: B010
+    method.run_round(0, torch.tensor([0, 1, 2, 4, 5]))
+    grads.extend(p.grad for p in method.hnet.parameters() if p.grad is not None)
+    return grads, method.store.state_dict()
+
+
+def test_vectorized_equals_sequential_with_a_partial_global_model() -> None:
+    # Compared on what the clients send (both server gradients of a round) and keep (batch-norm
+    # state), not after several Adam steps: Adam turns float noise in a near-zero gradient entry
+    # into a full step of its sign, so multi-round parameters differ by up to lr at such entries.
+    options: dict[str, Any] = {"frozen_clients": [1, 4], "global_clients": [0, 1, 4]}
+    (fast, fast_store), (slow, slow_store) = (sent_and_kept(v, **options) for v in (True, False))
+    assert len(fast) == len(slow) > 0
+    for a, b in zip(fast, slow, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for field, tensors in fast_store.items():
+        for name, tensor in tensors.items():
+            torch.testing.assert_close(tensor, slow_store[field][name], rtol=1e-4, atol=1e-6)
+
+
+def test_extreme_personalization_gives_every_client_its_own_architecture(tmp_path: Path) -> None:
+    result = cli(CONF / "mh_pfedhn_extreme.yaml", tmp_path, "--trainer.max_steps=2")
+    counts = result["client_parameters"]
+    assert len(counts) == 6 and len(set(counts.values())) == 6
+    assert set(result["architecture_clients"].values()) == {1}
+    assert len(result["slots"]) == 6
+
+
+def test_the_shipped_extreme_personalization_config_gives_50_distinct_architectures() -> None:
+    config = yaml.safe_load(
+        (ROOT / "configs/mh_pfedhn/cifar100_50clients_mh_pfedhn_extreme.yaml").read_text()
+    )
+    method = MHPFedHN(
+        num_clients=50, num_classes=100, input_shape=(3, 32, 32), **config["model"]["init_args"]
+    )
+    assert len(method.zoo.names) == 50
+    assert sorted(method.zoo.group_of.tolist()) == list(range(50))  # one client per architecture
+    assert len(set(method.hnet.counts)) == 50  # 50 distinct parameter counts
+    assert len(method.hnet.head_keys()) > 1  # clients share heads only through equal tau

@@ -11,8 +11,10 @@ parameter order), trains it and returns the flat delta. The *server side* (``sel
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,6 +28,7 @@ from lightning_pfl.engine import (
     cross_entropy_loss,
     weighted_cross_entropy,
 )
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import distillation_loss
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import build_network
@@ -38,6 +41,7 @@ from lightning_pfl.models.multihead_hypernetwork import (
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Range,
@@ -46,6 +50,11 @@ from lightning_pfl.validation import (
 
 Fraction = Annotated[float, Range(gt=0, le=1)]
 SEP = "/"  # personalized params are keyed "<architecture>/<tensor>" (evaluation dispatches on it)
+# Keys of the per-client tensors handed to the local loss next to a model's own tensors:
+FREEZE = "freeze"  # [C] bool: the client holds its leading layers at their generated values
+GENERATED = "generated."  # + tensor name: the generated value of a frozen tensor
+HOLDS = "holds_global"  # [C] bool: the client holds the global model (distils from it)
+FROZEN_STREAM, GLOBAL_STREAM = 11, 12  # seeded draws of the frozen clients and the holders
 
 
 class MHPFedHN(FederatedMethod):
@@ -78,6 +87,17 @@ class MHPFedHN(FederatedMethod):
             layer starts at its usual scale; ``raw`` (paper): theta = g, default head init.
         upload_fraction: share of each delta's entries uploaded (largest magnitudes; the rest
             count as 0); the paper's Table 12 uses 0.3. Uploads then count values + int32 indices.
+        frozen_clients: resource-constrained clients (the paper's Tables 14-15), which train only
+            part of their model: a share of all clients (drawn once, seeded) or a list of client
+            ids. Their leading ``frozen_layers`` layers keep the generated values throughout
+            local training (their delta is exactly 0); the rest trains as usual and the server
+            update is unchanged. Within an architecture's vmapped group the choice is a
+            per-client mask (no per-client loop); the frozen tensors' gradients are still
+            computed (as zeros), so the saving is simulated, not realized.
+        frozen_layers: how many leading layers a frozen client holds fixed (that they are the
+            leading ones is our reading of the paper); a layer is a module owning parameters, in
+            the network's parameter order (a batch-norm layer counts as one); every architecture
+            must keep at least one layer trainable.
         hn_lr: Adam learning rate of phi and the embeddings (paper: 2e-4).
         hn_weight_decay: Adam weight decay.
         hn_max_grad_norm: clip of the server gradient norm (paper: 50; None: off).
@@ -98,6 +118,8 @@ class MHPFedHN(FederatedMethod):
         head_sharing: HeadSharing = "tau",
         parametrization: Literal["standardized", "raw"] = "standardized",
         upload_fraction: Fraction = 1.0,
+        frozen_clients: UnitInterval | list[NonNegativeInt] = 0.0,
+        frozen_layers: PositiveInt = 1,
         hn_lr: PositiveFloat = 2e-4,
         hn_weight_decay: NonNegativeFloat = 0.0,
         hn_max_grad_norm: PositiveFloat | None = 50.0,
@@ -136,7 +158,18 @@ class MHPFedHN(FederatedMethod):
             kind: FlatCodec(arch.initial_params(), standardized)
             for kind, arch in self.zoo.archs.items()
         }
-        self.losses = {kind: cross_entropy_loss(arch) for kind, arch in self.zoo.archs.items()}
+        self.frozen = client_subset(
+            frozen_clients, h.num_clients, h.seed, FROZEN_STREAM, "model.init_args.frozen_clients"
+        )
+        self.freezes = bool(self.frozen.any())
+        self.frozen_names = {
+            kind: leading_layers(codec.names, frozen_layers, kind)
+            for kind, codec in self.codecs.items()
+        }
+        self.losses = {
+            kind: self.freezing(kind, cross_entropy_loss(arch))
+            for kind, arch in self.zoo.archs.items()
+        }
         for kind, arch in self.zoo.archs.items():
             if arch.stateful:
                 rows = len(self.zoo.members(kind))
@@ -179,24 +212,79 @@ class MHPFedHN(FederatedMethod):
         loss_fn: LossFn,
         frozen: Params | None = None,
         buffers: tuple[str, Tensor] | None = None,
+        freeze: tuple[Tensor, tuple[str, ...]] | None = None,
     ) -> tuple[Tensor, Params, Tensor]:
         """``clients`` (all of architecture ``arch``) train the model decoded from ``flat``.
 
         Returns the flat delta g - g~ (sparsified to ``upload_fraction``), the trained
         parameters and buffers (kept by the clients) and the mean training loss per client.
         Batch-norm buffers are read from and written back to the store's ``buffers`` =
-        (field, rows).
+        (field, rows). ``freeze`` = (per-client mask ``[C]``, tensor names): the masked clients
+        hold those tensors at their generated values (``loss_fn`` must come from
+        :meth:`freezing`); they come back unchanged and their delta entries are exactly 0.
         """
         params = codec.to_params(flat)
+        fixed = dict(frozen or {})
+        if freeze is not None:
+            mask, names = freeze
+            fixed |= {FREEZE: mask} | {GENERATED + n: params[n] for n in names}
         if arch.stateful and buffers is not None:
             params |= self.store.gather(*buffers, self.device)
         result = self.local_train(
-            params, clients, round_idx, loss_fn=loss_fn, frozen=frozen, batches=batches, arch=arch
+            params,
+            clients,
+            round_idx,
+            loss_fn=loss_fn,
+            frozen=fixed or None,
+            batches=batches,
+            arch=arch,
         )
         if arch.stateful and buffers is not None:
             self.store.scatter(*buffers, {n: result.params[n] for n in arch.buffer_shapes})
-        delta = flat - codec.to_flat(result.params)
-        return self.sparsify(delta), result.params, result.loss
+        trained = result.params
+        delta = flat - codec.to_flat(trained)
+        if freeze is not None:
+            # SGD's weight decay still moved the frozen tensors' (unused) trainable copies
+            trained = trained | {
+                n: torch.where(mask.view(-1, *[1] * (params[n].dim() - 1)), params[n], trained[n])
+                for n in names
+            }
+            entries = torch.cat(
+                [
+                    torch.full((size,), n in names, dtype=torch.bool, device=delta.device)
+                    for n, size in zip(codec.names, codec.sizes, strict=True)
+                ]
+            )
+            delta = delta.masked_fill(mask[:, None] & entries, 0.0)
+        return self.sparsify(delta), trained, result.loss
+
+    def freezing(self, kind: str, loss_fn: LossFn) -> LossFn:
+        """``loss_fn`` for clients of ``kind`` some of which hold their leading layers fixed.
+
+        The loss reads every tensor t of ``frozen_names[kind]`` as where(freeze, generated t,
+        trainable t), ``freeze`` and the generated values coming per client with the frozen
+        tensors (:meth:`client_update`): a frozen client's gradient of t is exactly 0 and its
+        forward pass uses the generated values at every step. Without frozen clients in the
+        configuration ``loss_fn`` itself is returned.
+        """
+        if not self.freezes:
+            return loss_fn
+        names = set(self.frozen_names[kind])
+
+        def loss(
+            params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+        ) -> Tensor | tuple[Tensor, Params]:
+            if FREEZE not in frozen:
+                return loss_fn(params, frozen, x, y, w)
+            keep = frozen[FREEZE]
+            own = {
+                n: torch.where(keep, frozen[GENERATED + n], p) if n in names else p
+                for n, p in params.items()
+            }
+            rest = {n: t for n, t in frozen.items() if n != FREEZE and not n.startswith(GENERATED)}
+            return loss_fn(own, rest, x, y, w)
+
+        return loss
 
     def sparsify(self, delta: Tensor) -> Tensor:
         """Keep each row's top ``upload_fraction`` entries by magnitude (others 0)."""
@@ -242,8 +330,8 @@ class MHPFedHN(FederatedMethod):
     ) -> tuple[Tensor, Params, Params]:
         """Generate, train per architecture group, upload deltas, set the server gradient.
 
-        ``teachers`` are per-client frozen tensors handed to the personal loss (MH-pFedHNGD).
-        Returns the losses and what was sent down and up.
+        ``teachers`` are per-client frozen tensors handed to the personal loss (MH-pFedHNGD;
+        None: plain cross-entropy). Returns the losses and what was sent down and up.
         """
         batches = self.draw_batches(clients, round_idx)
         ids = clients.cpu()
@@ -255,6 +343,7 @@ class MHPFedHN(FederatedMethod):
         for kind, rows in self.zoo.split(clients):
             members, on_cpu = clients[rows], ids[rows.cpu()]
             flat = self.hnet(on_cpu.tolist())  # server: the members' flat vectors
+            mask = self.frozen[on_cpu].to(self.device) if self.freezes else None
             delta, _, loss = self.client_update(
                 self.codecs[kind],
                 self.zoo.archs[kind],
@@ -262,9 +351,10 @@ class MHPFedHN(FederatedMethod):
                 flat.detach(),
                 round_idx,
                 batches.select(rows),
-                self.personal_loss(kind),
+                self.losses[kind] if teachers is None else self.personal_loss(kind),
                 None if teachers is None else {n: t[rows] for n, t in teachers.items()},
                 (f"buffers.{kind}", self.zoo.row_of[on_cpu]),
+                None if mask is None else (mask, self.frozen_names[kind]),
             )
             losses[rows] = loss
             generated.append(flat)
@@ -313,6 +403,7 @@ class MHPFedHN(FederatedMethod):
             "slots": {k: math.ceil(c.count / self.hp.output_size) for k, c in self.codecs.items()},
             "architecture_clients": {k: len(ids) for k, ids in self.client_groups().items()},
             "hypernetwork_parameters": sum(p.numel() for p in self.hnet.parameters()),
+            "frozen_clients": self.frozen.nonzero()[:, 0].tolist(),
         }
 
 
@@ -321,11 +412,13 @@ class MHPFedHNG(MHPFedHN):
 
     The global model (by default the architecture with the fewest parameters, K_g = min_i K_i)
     is one more hypernetwork row with its own embeddings v_g, generated through the head of its
-    tau_g. Round: every sampled client first trains a copy of the global model for
-    ``global_epochs`` epochs; the server sets the gradient of phi and v_g from the
-    sample-weighted mean of the global deltas, sum_i p_i delta_g,i, clips it and takes an Adam
-    step; then the personal round of :class:`MHPFedHN` runs from the updated phi (a second Adam
-    step). Batch-norm statistics of a client's copy of the global model stay with the client.
+    tau_g. Round: every sampled client that holds the global model (``global_clients``; default
+    all) first trains a copy of it for ``global_epochs`` epochs; the server sets the gradient
+    of phi and v_g from the sample-weighted mean of these holders' global deltas,
+    sum_i p_i delta_g,i with p_i = n_i / sum_holders n_j, clips it and takes an Adam step (a
+    round without a holder takes none); then the personal round of :class:`MHPFedHN` runs from
+    the updated phi (a second Adam step). Batch-norm statistics of a client's copy of the global
+    model stay with the client.
 
     Args:
         global_net: the global model's architecture: a group of ``architectures``, or a
@@ -333,6 +426,10 @@ class MHPFedHNG(MHPFedHN):
             architecture); default: the group with the fewest parameters.
         global_net_args: ``net_args`` of ``global_net`` when it is a registry name.
         global_epochs: local epochs on the global model (default ``local_epochs``).
+        global_clients: the clients that hold the global model (the paper's Tables 14-15, only
+            part of the clients can afford it): a share of all clients (drawn once, seeded; at
+            least one) or a list of client ids. Only they train it and (MH-pFedHNGD) distil
+            from it; the others train their personal model alone (plain cross-entropy).
         **kwargs: see :class:`MHPFedHN`.
     """
 
@@ -341,9 +438,19 @@ class MHPFedHNG(MHPFedHN):
         global_net: str | None = None,
         global_net_args: dict[str, Any] | None = None,
         global_epochs: PositiveInt | None = None,
+        global_clients: Fraction | list[NonNegativeInt] = 1.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        key = "model.init_args.global_clients"
+        self.holds_global = client_subset(
+            global_clients, self.hp.num_clients, self.hp.seed, GLOBAL_STREAM, key
+        )
+        if not self.holds_global.any():
+            raise ConfigError(
+                f"{key} = {global_clients!r} gives no client of {self.hp.num_clients} the "
+                "global model; give a larger share or at least one client id."
+            )
 
     def extra_counts(self) -> list[int]:
         h = self.hp
@@ -364,34 +471,51 @@ class MHPFedHNG(MHPFedHN):
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         h = self.hp
-        flat = self.hnet([h.num_clients])  # server: the global model's flat vector [1, K_g]
-        sent = flat.detach().expand(len(clients), -1)
-        epochs = h.global_epochs or h.local_epochs
-        delta, trained, _ = self.client_update(
-            self.global_codec,
-            self.global_arch,
-            clients,
-            sent,
-            round_idx,
-            self.draw_batches(clients, round_idx, epochs, phase=1),
-            self.global_loss,
-            buffers=("global_buffers", clients) if self.global_arch.stateful else None,
-        )
-        mean = (self.client_weights(clients)[:, None].to(delta) * delta).sum(0, keepdim=True)
-        self.server_gradients([flat], [mean], torch.ones(1, device=self.device))
-        assert self.server_optimizer is not None, "configure_optimizers() sets it"
-        self.server_optimizer.step()
-        self.server_optimizer.zero_grad()
-        teachers = {f"teacher.{n}": t for n, t in trained.items()} if self.distills() else None
-        losses, down, up = self.personal_round(round_idx, clients, teachers)
-        down["global"] = sent
-        up |= {f"global.{n}": t for n, t in self.uploaded(delta).items()}
-        self.record_communication(down=down, up=up)
+        holds = self.holds_global[clients.cpu()]
+        rows = holds.nonzero()[:, 0].to(clients.device)  # positions of the round's holders
+        teachers: Params | None = None
+        down: Params = {}
+        up: Params = {}
+        if len(rows):  # known on the host from the round's client ids: no device sync
+            holders = clients[rows]
+            flat = self.hnet([h.num_clients])  # server: the global model's flat vector [1, K_g]
+            sent = flat.detach().expand(len(holders), -1)
+            epochs = h.global_epochs or h.local_epochs
+            batches = self.draw_batches(clients, round_idx, epochs, phase=1)
+            delta, trained, _ = self.client_update(
+                self.global_codec,
+                self.global_arch,
+                holders,
+                sent,
+                round_idx,
+                batches if len(rows) == len(clients) else batches.select(rows),
+                self.global_loss,
+                buffers=("global_buffers", holders) if self.global_arch.stateful else None,
+            )
+            weights = self.client_weights(holders)[:, None].to(delta)
+            mean = (weights * delta).sum(0, keepdim=True)
+            self.server_gradients([flat], [mean], torch.ones(1, device=self.device))
+            assert self.server_optimizer is not None, "configure_optimizers() sets it"
+            self.server_optimizer.step()
+            self.server_optimizer.zero_grad()
+            if self.distills():  # non-holders get zeros in place of a teacher, never read
+                teachers = {
+                    f"teacher.{n}": t.new_zeros(len(clients), *t.shape[1:]).index_copy(0, rows, t)
+                    for n, t in trained.items()
+                }
+                teachers[HOLDS] = holds.to(self.device)
+            down["global"] = sent
+            up |= {f"global.{n}": t for n, t in self.uploaded(delta).items()}
+        losses, personal_down, personal_up = self.personal_round(round_idx, clients, teachers)
+        self.record_communication(down=personal_down | down, up=personal_up | up)
         return losses
 
     def distills(self) -> bool:
         """Whether personal training distills from the trained global model (GD)."""
         return False
+
+    def results(self) -> dict[str, Any]:
+        return super().results() | {"global_clients": self.holds_global.nonzero()[:, 0].tolist()}
 
 
 class MHPFedHNGD(MHPFedHNG):
@@ -399,7 +523,9 @@ class MHPFedHNGD(MHPFedHNG):
 
     Personal loss: lambda CE(student) + (1 - lambda) T^2 KL(p_teacher^T || p_student^T)
     (:func:`~lightning_pfl.losses.distillation_loss`), the teacher being the client's copy of
-    the global model as it just trained it this round (evaluation mode).
+    the global model as it just trained it this round (evaluation mode). A client that does
+    not hold the global model (``global_clients``) uses lambda = 1, i.e. plain cross-entropy,
+    in the same vmapped group (a per-client weight, not a separate code path).
 
     Args:
         distill_temperature: T (paper: CIFAR-100 15, Tiny-ImageNet 24, EMNIST 10).
@@ -414,7 +540,9 @@ class MHPFedHNGD(MHPFedHNG):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.distill_losses = {kind: self.distillation(kind) for kind in self.zoo.names}
+        self.distill_losses = {
+            kind: self.freezing(kind, self.distillation(kind)) for kind in self.zoo.names
+        }
 
     def distills(self) -> bool:
         return True
@@ -424,7 +552,8 @@ class MHPFedHNGD(MHPFedHNG):
 
     def distillation(self, kind: str) -> LossFn:
         """lambda CE + (1 - lambda) T^2 KL for a client of ``kind``; the teacher's tensors are
-        the ``teacher.``-prefixed frozen ones."""
+        the ``teacher.``-prefixed frozen ones. With a per-client ``holds_global`` flag among
+        them, a client without the global model uses lambda = 1 (exactly its cross-entropy)."""
         student, teacher_arch = self.zoo.archs[kind], self.global_arch
         weight, temperature = self.hp.distill_weight, self.hp.distill_temperature
         prefix = len("teacher.")
@@ -433,12 +562,55 @@ class MHPFedHNGD(MHPFedHNG):
             params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
         ) -> Tensor | tuple[Tensor, Params]:
             teacher = {n[prefix:]: t for n, t in frozen.items() if n.startswith("teacher.")}
-            own = {n: t for n, t in frozen.items() if not n.startswith("teacher.")}
+            own = {n: t for n, t in frozen.items() if not n.startswith("teacher.") and n != HOLDS}
+            holds = frozen.get(HOLDS)
+            mix = weight if holds is None else torch.where(holds, weight, 1.0)
             logits, buffers = student.forward_train({**own, **params}, x)
             target = teacher_arch(teacher, x)
-            value = weight * weighted_cross_entropy(logits, y, w) + (
-                1 - weight
-            ) * distillation_loss(logits, target, temperature, w)
+            value = mix * weighted_cross_entropy(logits, y, w) + (1 - mix) * distillation_loss(
+                logits, target, temperature, w
+            )
             return (value, buffers) if buffers else value
 
         return loss
+
+
+def client_subset(
+    chosen: float | Sequence[int], num_clients: int, seed: int, stream: int, key: str
+) -> Tensor:
+    """``[num_clients]`` bool mask of ``chosen``: a list of client ids, or a share of all
+    clients (round(share * num_clients) of them, drawn once with a seeded permutation).
+
+    Raises:
+        ConfigError: naming ``key`` for an id outside 0..num_clients-1 or listed twice.
+    """
+    mask = torch.zeros(num_clients, dtype=torch.bool)
+    if isinstance(chosen, (int, float)):
+        count = round(chosen * num_clients)
+        rng = np.random.default_rng([seed, 0, stream])
+        mask[torch.from_numpy(rng.permutation(num_clients)[:count])] = True
+        return mask
+    ids = [int(i) for i in chosen]
+    if any(not 0 <= i < num_clients for i in ids) or len(set(ids)) != len(ids):
+        raise ConfigError(
+            f"{key} = {list(chosen)!r}: give distinct client ids in 0..{num_clients - 1}."
+        )
+    mask[ids] = True
+    return mask
+
+
+def leading_layers(names: Sequence[str], count: int, kind: str) -> tuple[str, ...]:
+    """The tensor names of the first ``count`` layers (modules owning parameters, in
+    parameter order) among ``names``.
+
+    Raises:
+        ConfigError: naming ``frozen_layers`` when architecture ``kind`` has no layer left.
+    """
+    layers = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names))
+    if count >= len(layers):
+        raise ConfigError(
+            f"model.init_args.frozen_layers = {count} leaves nothing to train in architecture "
+            f"{kind!r}, which has {len(layers)} layers; use 1..{len(layers) - 1}."
+        )
+    first = set(layers[:count])
+    return tuple(n for n in names if n.rsplit(".", 1)[0] in first)
