@@ -95,8 +95,9 @@ def test_embedding_gradient_is_autograd_of_the_summed_novel_loss() -> None:
     index = torch.tensor([list(parts[8][:5]), list(parts[9][:3]) + [0, 0]])
     weight = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2])
     callback = NovelClients()
-    fixed = callback.fixed_params(method, method.hnet)
-    loss, grad = callback.embedding_gradient(method, method.hnet, fixed, index, weight)
+    adaptation = callback.adaptation(method)
+    assert adaptation.tensors == [method.hnet.embeddings.weight]
+    loss, (grad,) = callback.gradients(adaptation, index, weight)
 
     table = method.hnet.embeddings.weight
     total = torch.zeros(())
