@@ -1,4 +1,4 @@
-"""The novel-client protocol (pFedHN section 5.3): held-out clients, embedding-only adaptation."""
+"""The novel-client protocol (pFedHN section 5.3): held-out clients adapt what the method names."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning import Trainer
+from torch import Tensor
 
 from lightning_pfl import NovelClients
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FedAvg, FederatedMethod, PFedHN, PFedHNPC
-from lightning_pfl.novel import total_variation_to_nearest
+from lightning_pfl.novel import requiring_grad, total_variation_to_nearest
 from tests.conftest import build, digits_data, fit
 from tests.helpers import CONF, cli, run_dir
 from tests.test_runs import events
@@ -57,7 +58,8 @@ def test_validation_and_test_metrics_cover_training_clients_only() -> None:
 
 
 @pytest.mark.parametrize("cls", [PFedHN, PFedHNPC])
-def test_adaptation_changes_only_the_novel_embedding_rows(cls: type[PFedHN]) -> None:
+def test_adaptation_changes_only_the_novel_rows(cls: type[PFedHN]) -> None:
+    """The novel clients' embeddings change, and with pFedHN-PC their personal heads."""
     method = novel_method(cls)
     fit(method, method.data, rounds=3)
     hnet_before = {n: t.clone() for n, t in method.hnet.state_dict().items()}
@@ -69,9 +71,15 @@ def test_adaptation_changes_only_the_novel_embedding_rows(cls: type[PFedHN]) -> 
             assert (tensor[8:] != hnet_before[name][8:]).any(1).all()
         else:
             assert torch.equal(tensor, hnet_before[name]), name
-    for field, tensors in method.store.fields.items():  # pFedHN-PC's heads stay as they were
+    for field, tensors in method.store.fields.items():
         for name, tensor in tensors.items():
-            assert torch.equal(tensor, store_before[field][name]), f"{field} {name}"
+            before = store_before[field][name]
+            assert not tensor.requires_grad
+            if field == "head":
+                assert torch.equal(tensor[:8], before[:8]), name
+                assert (tensor[8:] != before[8:]).flatten(1).any(1).all(), name
+            else:
+                assert torch.equal(tensor, before), f"{field} {name}"
 
 
 def test_the_callback_leaves_the_trained_model_as_it_was() -> None:
@@ -87,13 +95,19 @@ def test_the_callback_leaves_the_trained_model_as_it_was() -> None:
         assert torch.equal(tensor, states[1][name]), name
 
 
+def uneven_batch(method: FederatedMethod) -> tuple[Tensor, Tensor]:
+    """One batch of novel clients 8 and 9: 5 samples of client 8, 3 of client 9 (two padded
+    slots of weight 0)."""
+    parts = method.data._parts["train"]
+    index = torch.tensor([list(parts[8][:5]), list(parts[9][:3]) + [0, 0]])
+    weight = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2])
+    return index, weight
+
+
 def test_embedding_gradient_is_autograd_of_the_summed_novel_loss() -> None:
     method = novel_method()
     assert isinstance(method, PFedHN)
-    parts = method.data._parts["train"]
-    # Client 8 contributes 5 samples, client 9 three (two padded slots of weight 0).
-    index = torch.tensor([list(parts[8][:5]), list(parts[9][:3]) + [0, 0]])
-    weight = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2])
+    index, weight = uneven_batch(method)
     callback = NovelClients()
     adaptation = callback.adaptation(method)
     assert adaptation.tensors == [method.hnet.embeddings.weight]
@@ -110,6 +124,50 @@ def test_embedding_gradient_is_autograd_of_the_summed_novel_loss() -> None:
     torch.testing.assert_close(grad, expected)
     assert (grad[:8] == 0).all() and (grad[8:] != 0).any(1).all()
     assert all(p.grad is None for p in method.hnet.parameters())
+
+
+def test_pfedhn_pc_gradient_covers_the_embeddings_and_the_novel_heads() -> None:
+    method = novel_method(PFedHNPC)
+    assert isinstance(method, PFedHNPC)
+    index, weight = uneven_batch(method)
+    callback = NovelClients()
+    adaptation = callback.adaptation(method)
+    heads = method.store.fields["head"]
+    table = method.hnet.embeddings.weight
+    assert adaptation.tensors == [table, *heads.values()]
+    loss, grads = callback.gradients(adaptation, index, weight)
+
+    with requiring_grad(list(heads.values())):
+        total = torch.zeros(())
+        for row, (client, count) in enumerate(((8, 5), (9, 3))):
+            body = {n: t[0] for n, t in method.hnet(torch.tensor([client])).items()}
+            params = body | {n: t[client] for n, t in heads.items()}
+            x, y = method.data.fetch(index[row, :count])
+            total = total + F.cross_entropy(method.arch(params, x), y)
+        expected = torch.autograd.grad(total, [table, *heads.values()])
+    torch.testing.assert_close(loss, total.detach())
+    for grad, reference in zip(grads, expected, strict=True):
+        torch.testing.assert_close(grad, reference)
+        assert (grad[:8] == 0).all() and (grad[8:] != 0).flatten(1).any(1).all()
+    assert all(not t.requires_grad for t in heads.values())
+
+
+def test_pfedhn_pc_novel_heads_adapt_far_beyond_embedding_only() -> None:
+    """A novel pFedHN-PC client's head starts at the untrained initialization: adapting only the
+    embedding left the novel clients' mean test accuracy at 0.02 to 0.29 after 50 steps (seeds
+    0-2), adapting both reached 0.99 with each seed."""
+    method = novel_method(PFedHNPC, seed=0)
+    fit(method, method.data, rounds=40)
+    callback = NovelClients(steps=20, lr=0.1, eval_every=20)
+    trained = {n: t.clone() for n, t in method.state_dict().items()}
+    store = method.store.state_dict()
+    embedding_only = PFedHN.novel_adaptation(method, callback.novel_ids(method))
+    alone = callback.adapt(method, embedding_only)["acc"]
+    method.load_state_dict(trained)
+    method.store.load_state_dict(store)
+    joint = callback.adapt(method)["acc"]
+    assert joint[0] == alone[0]
+    assert joint[-1] > 0.9 and joint[-1] > alone[-1] + 0.5, (alone, joint)
 
 
 def test_novel_accuracy_improves_with_adaptation() -> None:
