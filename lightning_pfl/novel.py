@@ -2,18 +2,22 @@
 
 A hypernetwork h(v; phi) trained on the first ``n - m`` clients is frozen; each of the last ``m``
 clients (``model.init_args.novel_clients``), never seen in training, fits only its own
-embedding v_i by gradient descent on its own training loss through the hypernetwork:
+parameters of the hypernetwork (its embedding v_i, and whatever else the method's
+:meth:`~lightning_pfl.methods.base.FederatedMethod.novel_adaptation` names) by gradient descent
+on its own training loss through the hypernetwork:
 
     v_i <- v_i - lr * grad_{v_i} sum_j L_j(h(v_j; phi)),
 
 where L_j is the mean cross-entropy of novel client j's personalized model on its batch of the
-step. The sum over novel clients couples nothing: L_j depends on v_j only, so each embedding
-receives exactly its own client's gradient, and all novel clients adapt in one forward.
+step. The sum over novel clients couples nothing: L_j depends on client j's own tensors only,
+so each receives exactly its own client's gradient, and all novel clients adapt in one forward.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,52 +25,28 @@ from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor, nn
-from torch.func import vmap
+from torch import Tensor
 
-from lightning_pfl.engine import ClientBatches, Params, derive_seed, weighted_cross_entropy
+from lightning_pfl.engine import ClientBatches, derive_seed
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
 from lightning_pfl.validation import PositiveFloat, PositiveInt, check_arguments
 
 NOVEL_ADAPTATION_STREAM = 101  # derive_seed stream of the adaptation batches
 
 
-class EmbeddingHyperNetwork(Protocol):
-    """What adaptation needs of a method's ``hnet``: a table of client embeddings and a forward
-    that maps client ids ``[C]`` to generated tensors stacked ``[C, ...]``, named as (a subset
-    of) the method's personalized parameters (:class:`~lightning_pfl.models.HyperNetwork`)."""
-
-    embeddings: nn.Embedding
-
-    def __call__(self, clients: Tensor) -> dict[str, Tensor]: ...
-
-
-def adaptable_hypernetwork(method: LightningModule) -> EmbeddingHyperNetwork:
-    """The method's hypernetwork if its novel clients can adapt their embeddings, else a
-    ConfigError saying why not."""
-    hnet = getattr(method, "hnet", None)
-    embeddings = getattr(hnet, "embeddings", None)
-    if not isinstance(method, FederatedMethod):
-        raise ConfigError(f"NovelClients needs a FederatedMethod, got {type(method).__name__}.")
-    if (
-        not isinstance(hnet, nn.Module)
-        or not isinstance(embeddings, nn.Embedding)
-        or embeddings.num_embeddings != method.hp.num_clients
-        or not embeddings.weight.requires_grad
-    ):
-        raise ConfigError(
-            f"trainer.callbacks NovelClients: {type(method).__name__} has no hypernetwork "
-            "``hnet`` with one trainable embedding per client (``hnet.embeddings``), so novel "
-            "clients cannot adapt; use PFedHN or PFedHNPC, or remove the callback."
-        )
-    if method.hp.novel_clients == 0:
-        raise ConfigError(
-            "trainer.callbacks NovelClients needs held-out clients: set "
-            "model.init_args.novel_clients > 0 (the last that many clients), or remove the "
-            "callback."
-        )
-    return hnet  # type: ignore[return-value]
+@contextmanager
+def requiring_grad(tensors: Sequence[Tensor]) -> Iterator[None]:
+    """Let ``tensors`` (leaves such as client-store fields) require grad inside the block, and
+    give each its former ``requires_grad`` back afterwards."""
+    before = [t.requires_grad for t in tensors]
+    try:
+        for t in tensors:
+            t.requires_grad_(True)
+        yield
+    finally:
+        for t, flag in zip(tensors, before, strict=True):
+            t.requires_grad_(flag)
 
 
 def total_variation_to_nearest(novel_counts: Tensor, train_counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -93,12 +73,15 @@ class NovelClients(Callback):
     The method's last ``novel_clients`` clients were never sampled nor evaluated during
     training. When training ends (``on_train_end``: after the final round's validation, while
     the model is still on its device), the hypernetwork body phi and the training clients'
-    embeddings stay frozen and the novel clients' embeddings take ``steps`` plain SGD steps on
-    the sum of their clients' mean training cross-entropy, each step on a fresh seeded batch of
-    ``model.init_args.batch_size`` of every novel client's training data (the same for every
-    run with the method's seed). Tensors the hypernetwork does not generate keep their value:
-    pFedHN-PC's personal head of a novel client stays at its initialization (it never trained;
-    only the generated body adapts, through the embedding).
+    embeddings stay frozen and the tensors the method's
+    :meth:`~lightning_pfl.methods.base.FederatedMethod.novel_adaptation` names take ``steps``
+    plain SGD steps on the sum of the novel clients' mean training cross-entropy, each step on
+    a fresh seeded batch of ``model.init_args.batch_size`` of every novel client's training
+    data (the same for every run with the method's seed). What adapts: pFedHN the novel
+    clients' embeddings; pFedHN-PC their embeddings and personal heads (from the heads' shared
+    initialization); the MH-pFedHN family their slot embeddings, the hypernetwork heads no
+    training client uses (an architecture size only novel clients have) and, through the
+    training-mode forwards, their batch-norm running statistics.
 
     Logged at x = adaptation step, at step 0 and every ``eval_every`` steps (and the last):
     ``novel/test_acc`` (mean over novel clients of their personalized test accuracy) and
@@ -107,13 +90,13 @@ class NovelClients(Callback):
     reference). With a TensorBoard logger, ``novel/accuracy_vs_tv_distance`` plots each novel
     client's final accuracy against the total-variation distance of its training label
     distribution to the nearest training client's. ``results.json`` gets a ``novel_clients``
-    entry (see :meth:`summary`). The novel clients' embeddings are restored to their trained
-    values afterwards, so checkpoints and a resumed run never see the adaptation (call
-    :meth:`adapt` directly to keep the adapted embeddings).
+    entry (see :meth:`summary`). Every adapted tensor (and updated buffer) is restored to its
+    trained value afterwards, so checkpoints and a resumed run never see the adaptation (call
+    :meth:`adapt` directly to keep the adapted tensors).
 
     Args:
-        steps: embedding SGD steps.
-        lr: learning rate of the embedding SGD.
+        steps: adaptation SGD steps.
+        lr: learning rate of the adaptation SGD.
         eval_every: evaluate the novel clients every this many steps.
     """
 
@@ -128,17 +111,19 @@ class NovelClients(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
-            adaptable_hypernetwork(pl_module)  # refuse before the first round, not after the last
+            self.adaptation(pl_module)  # refuse before the first round, not after the last
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert isinstance(pl_module, FederatedMethod)
         if pl_module.stopped_by is None:  # interrupted: nothing was trained to the end
             return
-        table = adaptable_hypernetwork(pl_module).embeddings.weight
-        trained = table.detach()[pl_module.num_training_clients :].clone()
-        history = self.adapt(pl_module)
+        adaptation = self.adaptation(pl_module)
+        changed = adaptation.tensors + adaptation.buffers
+        trained = [t.detach().clone() for t in changed]
+        history = self.adapt(pl_module, adaptation)
         with torch.no_grad():
-            table[pl_module.num_training_clients :] = trained
+            for tensor, value in zip(changed, trained, strict=True):
+                tensor.copy_(value)
         train_acc = pl_module._evaluate_all("test")[0]["acc"]
         tv, nearest = self.label_distances(pl_module)
         final_acc = history["per_client_acc"][-1]
@@ -175,43 +160,31 @@ class NovelClients(Callback):
         clients = self.novel_ids(method).to(data.device)
         return data.client_batches(clients, method.hp.batch_size, generator, steps=self.steps)
 
-    def fixed_params(self, method: FederatedMethod, hnet: EmbeddingHyperNetwork) -> Params:
-        """The novel clients' personalized tensors the hypernetwork does not generate (e.g.
-        pFedHN-PC's personal head), which adaptation leaves as they are."""
-        clients = self.novel_ids(method)
-        with torch.no_grad():
-            personalized = method.personalized_params(clients)
-            generated = hnet(clients)
-        unknown = sorted(set(generated) - set(personalized))
-        if unknown:
+    def adaptation(self, method: LightningModule) -> NovelAdaptation:
+        """The method's :meth:`~lightning_pfl.methods.base.FederatedMethod.novel_adaptation` of
+        its novel clients, or a ConfigError saying why it has none."""
+        if not isinstance(method, FederatedMethod):
+            raise ConfigError(f"NovelClients needs a FederatedMethod, got {type(method).__name__}.")
+        if method.hp.novel_clients == 0:
             raise ConfigError(
-                f"NovelClients: {type(method).__name__}'s hypernetwork generates {unknown}, "
-                "which are not among its personalized parameters; it cannot adapt novel clients."
+                "trainer.callbacks NovelClients needs held-out clients: set "
+                "model.init_args.novel_clients > 0 (the last that many clients), or remove the "
+                "callback."
             )
-        return {n: t for n, t in personalized.items() if n not in generated}
+        return method.novel_adaptation(self.novel_ids(method))
 
-    def embedding_gradient(
-        self,
-        method: FederatedMethod,
-        hnet: EmbeddingHyperNetwork,
-        fixed: Params,
-        index: Tensor,
-        weight: Tensor,
-    ) -> tuple[Tensor, Tensor]:
-        """Summed novel-client loss and its gradient w.r.t. the whole embedding table.
+    def gradients(
+        self, adaptation: NovelAdaptation, index: Tensor, weight: Tensor
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Summed novel-client loss and its gradient w.r.t. each of ``adaptation.tensors``.
 
-        ``index`` and ``weight`` ``[m, B]`` are one step's batch of each novel client, ``fixed``
-        their :meth:`fixed_params`; the gradient is zero outside the novel clients' rows, and phi
-        gets none.
+        ``index`` and ``weight`` ``[m, B]`` are one step's batch of each novel client; the
+        gradient is zero outside the novel clients' parts, and nothing else (phi) gets one.
         """
-        clients = self.novel_ids(method)
-        with torch.enable_grad():
-            params = {**fixed, **hnet(clients)}
-            x, y = method.data.fetch(index)
-            logits = vmap(method.predict)(params, x)
-            total = vmap(weighted_cross_entropy)(logits, y, weight).sum()
-            (grad,) = torch.autograd.grad(total, hnet.embeddings.weight)
-        return total.detach(), grad
+        with torch.enable_grad(), requiring_grad(adaptation.tensors):
+            total = adaptation.loss(index, weight)
+            grads = torch.autograd.grad(total, adaptation.tensors)
+        return total.detach(), list(grads)
 
     def evaluate_novel(self, method: FederatedMethod) -> Tensor:
         """Per-novel-client test accuracy (NaN without test samples), their mean over clients
@@ -221,15 +194,14 @@ class NovelClients(Callback):
         pooled = correct.sum() / total.sum().clamp_min(1)
         return torch.cat([per_client, per_client.nanmean()[None], pooled[None]])
 
-    def adapt(self, method: FederatedMethod) -> dict[str, Any]:
-        """Run the embedding SGD on the novel clients; return the accuracies at each
-        evaluation step (``eval_steps``, ``per_client_acc`` [steps][m], ``acc``,
-        ``acc_weighted``), also logged at x = step."""
-        hnet = adaptable_hypernetwork(method)
-        table = hnet.embeddings.weight
-        first_novel = method.num_training_clients
+    def adapt(
+        self, method: FederatedMethod, adaptation: NovelAdaptation | None = None
+    ) -> dict[str, Any]:
+        """Run the adaptation SGD on the novel clients (``adaptation``, default the method's
+        :meth:`adaptation`); return the accuracies at each evaluation step (``eval_steps``,
+        ``per_client_acc`` [steps][m], ``acc``, ``acc_weighted``), also logged at x = step."""
+        adaptation = adaptation or self.adaptation(method)
         batches = self.draw_batches(method)
-        fixed = self.fixed_params(method, hnet)
         history: dict[str, Any] = {
             "eval_steps": [],
             "per_client_acc": [],
@@ -251,11 +223,10 @@ class NovelClients(Callback):
                     logger.log_metrics(metrics, step=step)
             if step == self.steps:
                 break
-            _, grad = self.embedding_gradient(
-                method, hnet, fixed, batches.index[:, step], batches.weight[:, step]
-            )
+            _, grads = self.gradients(adaptation, batches.index[:, step], batches.weight[:, step])
             with torch.no_grad():
-                table[first_novel:] -= self.lr * grad[first_novel:]
+                for tensor, grad in zip(adaptation.tensors, grads, strict=True):
+                    tensor -= self.lr * grad
         return history
 
     def label_distances(self, method: FederatedMethod) -> tuple[Tensor, Tensor]:
@@ -322,9 +293,8 @@ def accuracy_vs_distance_figure(distance: list[float], accuracy: list[float]) ->
 
 
 __all__ = [
-    "EmbeddingHyperNetwork",
     "NovelClients",
     "accuracy_vs_distance_figure",
-    "adaptable_hypernetwork",
+    "requiring_grad",
     "total_variation_to_nearest",
 ]

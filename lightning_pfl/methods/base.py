@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, cast
 
 import torch
@@ -31,6 +32,7 @@ from lightning_pfl.engine import (
     cross_entropy_loss,
     derive_seed,
     train_clients,
+    weighted_cross_entropy,
 )
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
 from lightning_pfl.graphs import CudaGraphRecorder, RoundGraphs
@@ -49,6 +51,28 @@ from lightning_pfl.validation import (
 )
 
 INIT_STREAM, CLIENT_STREAM, BATCH_STREAM, SERVER_INIT_STREAM, DROPOUT_STREAM = 0, 1, 2, 3, 4
+
+
+@dataclass
+class NovelAdaptation:
+    """What held-out novel clients adapt after training
+    (:meth:`FederatedMethod.novel_adaptation`, run by :class:`~lightning_pfl.novel.NovelClients`).
+
+    Attributes:
+        tensors: the method's own tensors that plain SGD updates in place (whole tensors, e.g.
+            the embedding table: the gradient of ``loss`` is zero outside the novel clients'
+            parts, so only those change). They need not require grad: the callback switches
+            it on while it differentiates.
+        loss: ``loss(index, weight)``: the sum over the novel clients of their mean training
+            loss on one batch each (sample indices and 0/1 weights ``[m, B]``, rows in the
+            order of the clients), differentiable w.r.t. ``tensors``.
+        buffers: tensors ``loss`` updates in place (e.g. the novel clients' batch-norm running
+            statistics); restored with ``tensors`` when the callback undoes the adaptation.
+    """
+
+    tensors: list[Tensor]
+    loss: Callable[[Tensor, Tensor], Tensor]
+    buffers: list[Tensor] = field(default_factory=list)
 
 
 class FederatedMethod(LightningModule, ABC):
@@ -185,6 +209,47 @@ class FederatedMethod(LightningModule, ABC):
     def client_groups(self) -> dict[str, Tensor]:
         """Named groups of client ids whose accuracy is also reported separately (default none)."""
         return {}
+
+    def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
+        """What the held-out novel ``clients`` adapt after training, and on which loss.
+
+        Default (pFedHN): a hypernetwork ``hnet`` with one trainable embedding per client
+        (``hnet.embeddings``, an ``nn.Embedding``) whose forward maps client ids to generated
+        tensors named as (some of) :meth:`personalized_params`; only the clients' embeddings
+        adapt, the other personalized tensors are read from :meth:`personalized_params` at
+        every step (they adapt only if an override adds them to the tensors), and the loss is
+        each client's mean cross-entropy of :meth:`predict`. Any other method is refused with
+        a ConfigError unless it overrides this hook.
+        """
+        hnet = getattr(self, "hnet", None)
+        embeddings = getattr(hnet, "embeddings", None)
+        if (
+            not isinstance(hnet, nn.Module)
+            or not isinstance(embeddings, nn.Embedding)
+            or embeddings.num_embeddings != self.hp.num_clients
+            or not embeddings.weight.requires_grad
+        ):
+            raise ConfigError(
+                f"trainer.callbacks NovelClients: {type(self).__name__} has no hypernetwork "
+                "``hnet`` with one trainable embedding per client (``hnet.embeddings``), so "
+                "novel clients cannot adapt; use PFedHN, PFedHNPC, MHPFedHN, MHPFedHNG or "
+                "MHPFedHNGD, or remove the callback."
+            )
+        with torch.no_grad():
+            unknown = sorted(set(hnet(clients)) - set(self.personalized_params(clients)))
+        if unknown:
+            raise ConfigError(
+                f"NovelClients: {type(self).__name__}'s hypernetwork generates {unknown}, which "
+                "are not among its personalized parameters; it cannot adapt novel clients."
+            )
+
+        def loss(index: Tensor, weight: Tensor) -> Tensor:
+            params = {**self.personalized_params(clients), **hnet(clients)}
+            x, y = self.data.fetch(index)
+            logits = vmap(self.predict)(params, x)
+            return vmap(weighted_cross_entropy)(logits, y, weight).sum()
+
+        return NovelAdaptation([embeddings.weight], loss)
 
     # ----------------------------------------------------------------- helpers for methods
     def refuse_batch_norm(self, reason: str, arch: Architecture | None = None) -> None:

@@ -30,7 +30,7 @@ from lightning_pfl.engine import (
 )
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import distillation_loss
-from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
 from lightning_pfl.models import build_network
 from lightning_pfl.models.hypernetwork import set_delta_gradients
 from lightning_pfl.models.multihead_hypernetwork import (
@@ -405,6 +405,35 @@ class MHPFedHN(FederatedMethod):
             "hypernetwork_parameters": sum(p.numel() for p in self.hnet.parameters()),
             "frozen_clients": self.frozen.nonzero()[:, 0].tolist(),
         }
+
+    def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
+        """Novel clients adapt their slot embeddings (all tau_i rows of each) and the heads no
+        other row uses (a size only novel clients have, or ``head_sharing: client``), which
+        never trained; heads shared with trained rows stay frozen. The loss is each client's
+        training-mode cross-entropy (also for MH-pFedHNGD, a novel client has no teacher),
+        whose forwards update the novel clients' batch-norm statistics in the store."""
+        ids = clients.cpu()
+        stateful = [kind for kind, arch in self.zoo.archs.items() if arch.stateful]
+        buffers = [t for kind in stateful for t in self.store.fields[f"buffers.{kind}"].values()]
+
+        def loss(index: Tensor, weight: Tensor) -> Tensor:
+            total = torch.zeros((), device=self.device)
+            for kind, rows in self.zoo.split(clients):
+                members, arch = ids[rows.cpu()], self.zoo.archs[kind]
+                params = self.codecs[kind].to_params(self.hnet(members.tolist()))
+                field, store_rows = f"buffers.{kind}", self.zoo.row_of[members]
+                if arch.stateful:
+                    params |= self.store.gather(field, store_rows, self.device)
+                x, y = self.data.fetch(index[rows.to(index.device)])
+                logits, state = torch.func.vmap(arch.forward_train)(params, x)
+                if arch.stateful:
+                    self.store.scatter(field, store_rows, state)
+                w = weight[rows.to(weight.device)]
+                total = total + torch.func.vmap(weighted_cross_entropy)(logits, y, w).sum()
+            return total
+
+        heads = self.hnet.heads_only_of(ids.tolist())
+        return NovelAdaptation([self.hnet.embeddings, *heads], loss, buffers)
 
 
 class MHPFedHNG(MHPFedHN):

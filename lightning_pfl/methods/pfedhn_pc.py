@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig
+from lightning_pfl.methods.base import NovelAdaptation
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
@@ -20,6 +21,8 @@ class PFedHNPC(PFedHN):
     head locally and trains it jointly with the generated body. The body uses a fresh inner
     optimizer with gradient clipping each round; the head has its own SGD whose momentum
     persists across rounds and is not clipped. Only the body's delta goes to the server.
+    Novel clients (:class:`~lightning_pfl.novel.NovelClients`) adapt their embedding and their
+    personal head jointly, the head from the initialization every client's head starts at.
 
     Args:
         head_lr: learning rate of the personal head (default ``local_lr``).
@@ -77,3 +80,11 @@ class PFedHNPC(PFedHN):
             **super().personalized_params(clients),
             **self.store.gather("head", clients, self.device),
         }
+
+    def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
+        """The embeddings adapt as in pFedHN, and so do the personal heads: the loss reads
+        them from the store (:meth:`personalized_params`), whose rows of the novel clients
+        still hold the initial head, and only those rows get a gradient."""
+        adaptation = super().novel_adaptation(clients)
+        heads = list(self.store.fields["head"].values())
+        return NovelAdaptation(adaptation.tensors + heads, adaptation.loss)

@@ -126,6 +126,14 @@ class MultiHeadHyperNetwork(nn.Module):
             return features @ weight[0].T + bias[0]
         return torch.einsum("cth,tnh->ctn", features, weight) + bias
 
+    def heads_only_of(self, rows: Sequence[int]) -> list[nn.Parameter]:
+        """Weights and biases of the heads that no row outside ``rows`` uses: heads that never
+        trained while ``rows`` were held out of training (e.g. the tau of a size only they
+        have, or their own heads with ``sharing="client"``)."""
+        held_out = {int(r) for r in rows}
+        used = {key for row, key in enumerate(self.head_of) if row not in held_out}
+        return [p for name, p in self.heads.items() if name.rsplit("_", 1)[0] not in used]
+
     def embedding_parameters(self) -> list[nn.Parameter]:
         return [self.embeddings]
 
