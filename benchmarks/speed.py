@@ -5,6 +5,8 @@ Workloads (``--workload``):
 - ``cifar_cnn``: the pFedHN CIFAR CNN on random CIFAR-shaped images, ``--steps`` local steps of
   batch ``--batch`` per client (every client holds one batch: the same work per client at any
   total number of clients).
+- ``digits_cnn``: the quick start's small CNN (``net: digits_cnn``) on random digits-shaped
+  (1x8x8) images, ``--steps`` local steps of batch ``--batch`` per client, as ``cifar_cnn``.
 - ``lenet5_mnist``: LeNet-5 on random MNIST-shaped (1x28x28) images, one local epoch of
   ``--batches-per-epoch`` batches of ``--batch`` per client (FedAvg's usual local work).
 
@@ -67,6 +69,7 @@ PATHS = ["reference", *ENGINE_PATHS]
 WORKLOADS: dict[str, dict[str, Any]] = {
     "cifar_cnn": {"net": "cnn", "shape": (3, 32, 32)},
     "lenet5_mnist": {"net": "lenet5", "shape": (1, 28, 28)},
+    "digits_cnn": {"net": "digits_cnn", "shape": (1, 8, 8)},
 }
 
 
@@ -113,8 +116,8 @@ def build(
         partition=IID(),
         eval_split="holdout",
         val_fraction=0.0,
-        test_fraction=0.01,
-        dataset_options={"train_size": round(per_client * num_clients / 0.99) + num_clients},
+        test_fraction=1 / (per_client + 1),  # one test sample per client, never timed
+        dataset_options={"train_size": (per_client + 1) * num_clients},
         seed=0,
     )
     data.setup()
@@ -342,7 +345,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["FedAvg", "pFedHN"], choices=list(METHODS))
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 10, 50, 100])
     parser.add_argument("--num-clients", type=int, default=100, help="total clients")
-    parser.add_argument("--steps", type=int, default=50, help="local steps (cifar_cnn)")
+    parser.add_argument("--steps", type=int, default=50, help="local steps (cifar_cnn, digits_cnn)")
     parser.add_argument("--batches-per-epoch", type=int, default=40, help="(lenet5_mnist)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
