@@ -95,7 +95,7 @@ class FederatedDataModule(LightningDataModule):
 
     Args:
         dataset: registry name (digits, synthetic, mnist, fashion_mnist, emnist, cifar10,
-            cifar100).
+            cifar100, tiny_imagenet).
         num_clients: number of clients n.
         partition: how training samples are dealt to clients (ignored for datasets with natural
             clients, e.g. synthetic).

@@ -1,12 +1,23 @@
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision.datasets as tvd
+from PIL import Image
 
+from lightning_pfl import FederatedDataModule
 from lightning_pfl.datasets import DATASETS, load_dataset
 from lightning_pfl.datasets.registry import CorruptDatasetError, DatasetNotFoundError
-from tests.data.fake_datasets import mnist_resources, write_cifar, write_mnist
+from lightning_pfl.partition import Shards
+from tests.data.fake_datasets import (
+    TINY_IMAGENET_WNIDS,
+    mnist_resources,
+    tiny_imagenet_color,
+    write_cifar,
+    write_mnist,
+    write_tiny_imagenet,
+)
 
 
 def test_digits_is_bundled_and_split() -> None:
@@ -144,3 +155,111 @@ def test_random_timing_images_are_seeded_and_sized() -> None:
     b = load_dataset("random_cifar10", seed=1, train_size=40, test_size=8)
     assert a.train_x.shape == (40, 3, 32, 32) and a.test_x.shape == (8, 3, 32, 32)
     assert torch.equal(a.train_x, b.train_x) and a.train_x.dtype == torch.uint8
+
+
+def test_tiny_imagenet_reads_the_stanford_layout(tmp_path: Path) -> None:
+    val_wnids = write_tiny_imagenet(tmp_path, per_class=4, n_val=12)
+    d = load_dataset("tiny_imagenet", str(tmp_path))
+    assert DATASETS["tiny_imagenet"].input_shape == (3, 64, 64)
+    assert DATASETS["tiny_imagenet"].num_classes == 200
+    assert d.train_x.shape == (12, 3, 64, 64) and d.test_x.shape == (12, 3, 64, 64)
+    assert d.train_x.dtype == torch.uint8 and d.test_x.dtype == torch.uint8
+    classes = sorted(TINY_IMAGENET_WNIDS)
+    assert d.train_y.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    # Val labels follow the annotations file, val_10 after val_9 (not file-name order).
+    assert d.test_y.tolist() == [classes.index(w) for w in val_wnids]
+    for x, y in [*zip(d.train_x, d.train_y, strict=True), *zip(d.test_x, d.test_y, strict=True)]:
+        if not torch.equal(x[0], x[1]):  # the grayscale image has no colour to compare
+            color = torch.tensor(tiny_imagenet_color(classes[int(y)])).float()
+            assert torch.allclose(x.float().mean((1, 2)), color, atol=2)
+
+
+def test_tiny_imagenet_grayscale_jpeg_becomes_three_channels(tmp_path: Path) -> None:
+    write_tiny_imagenet(tmp_path)
+    gray = tmp_path / "tiny-imagenet-200" / "train" / "n04067472" / "images" / "n04067472_0.JPEG"
+    with Image.open(gray) as image:
+        assert image.mode == "L"
+    d = load_dataset("tiny_imagenet", str(tmp_path))
+    x = d.train_x[sorted(TINY_IMAGENET_WNIDS).index("n04067472") * 4]
+    assert x.shape == (3, 64, 64) and torch.equal(x[0], x[1]) and torch.equal(x[1], x[2])
+
+
+@pytest.mark.parametrize(
+    ("remove", "message"),
+    [
+        ("", "missing"),
+        ("tiny-imagenet-200/val/val_annotations.txt", "val_annotations.txt"),
+        ("tiny-imagenet-200/train/n01443537/images", "n01443537"),
+        ("tiny-imagenet-200/train/n01443537", "the 2 class folders of train/ are not the 3"),
+    ],
+)
+def test_tiny_imagenet_missing_files_name_the_layout(
+    tmp_path: Path, remove: str, message: str
+) -> None:
+    if remove:
+        write_tiny_imagenet(tmp_path)
+        target = tmp_path / remove
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+    with pytest.raises(DatasetNotFoundError, match="download: true") as info:
+        load_dataset("tiny_imagenet", str(tmp_path))
+    text = str(info.value)
+    assert message in text and "cs231n.stanford.edu/tiny-imagenet-200.zip" in text
+    folder = tmp_path / "tiny-imagenet-200"
+    for path in ("wnids.txt", "train/<wnid>/images/<wnid>_<i>.JPEG", "val/val_annotations.txt"):
+        assert str(folder / path) in text
+
+
+def test_tiny_imagenet_download_fetches_the_official_archive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, str, str | None]] = []
+
+    def fake_download(url: str, download_root: str, md5: str | None = None) -> None:
+        calls.append((url, download_root, md5))
+        write_tiny_imagenet(Path(download_root))
+
+    monkeypatch.setattr(tvd.utils, "download_and_extract_archive", fake_download)
+    d = load_dataset("tiny_imagenet", str(tmp_path), download=True)
+    assert calls == [
+        (
+            "http://cs231n.stanford.edu/tiny-imagenet-200.zip",
+            str(tmp_path),
+            "90528d7ca1a48142e341f4ef8d21d0de",
+        )
+    ]
+    assert d.train_x.shape == (12, 3, 64, 64)
+    load_dataset("tiny_imagenet", str(tmp_path), download=True)
+    assert len(calls) == 1  # present files are not fetched again
+
+
+def test_tiny_imagenet_truncated_jpeg_is_named(tmp_path: Path) -> None:
+    write_tiny_imagenet(tmp_path)
+    image = tmp_path / "tiny-imagenet-200" / "val" / "images" / "val_3.JPEG"
+    image.write_bytes(image.read_bytes()[:200])
+    with pytest.raises(CorruptDatasetError, match="Delete it") as info:
+        load_dataset("tiny_imagenet", str(tmp_path))
+    assert str(image) in str(info.value)
+
+
+def test_tiny_imagenet_federated_split(tmp_path: Path) -> None:
+    write_tiny_imagenet(tmp_path, per_class=8, n_val=12)
+    dm = FederatedDataModule(
+        "tiny_imagenet",
+        num_clients=3,
+        partition=Shards(1),  # label-sorted: 3 of the 200 classes exist in the fake tree
+        eval_split="holdout",
+        val_fraction=0.0,
+        test_fraction=0.25,
+        root=str(tmp_path),
+    )
+    dm.setup("fit")
+    assert dm.num_classes == 200 and dm.input_shape == (3, 64, 64)
+    train, test = dm.counts["train"], dm.counts["test"]
+    assert train.shape == (3, 200) and int(train.sum() + test.sum()) == 36
+    assert (train[:, 3:] == 0).all() and ((train > 0).sum(1) <= 2).all()
+    assert (test.sum(1) > 0).all()
+    x, y = dm.fetch(torch.arange(4))
+    assert x.shape == (4, 3, 64, 64) and x.dtype == torch.float32 and y.max() < 3

@@ -3,6 +3,8 @@
 MNIST-family: IDX files (big-endian magic, dims, uint8 payload), raw or gzipped, in
 ``<root>/<Name>/raw``. CIFAR: pickled dicts with ``data`` (N x 3072 uint8), ``labels`` /
 ``fine_labels`` + ``coarse_labels``, and the meta file, in ``<root>/cifar-*-py``.
+Tiny-ImageNet: Stanford's ``<root>/tiny-imagenet-200`` tree of 64x64 JPEGs with ``wnids.txt``,
+per-class ``<wnid>_boxes.txt`` and ``val/val_annotations.txt``.
 Run as a script to write them under ``tests/data/files``.
 """
 
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 SEED = 0
 
@@ -93,6 +96,53 @@ def write_cifar(root: Path, hundred: bool = False, per_batch: int = 20) -> dict[
     return md5
 
 
+# wnids.txt lists the classes unsorted; the loader's label c is the c-th wnid in sorted order.
+TINY_IMAGENET_WNIDS = ("n04067472", "n01443537", "n02124075")
+
+
+def tiny_imagenet_color(wnid: str) -> tuple[int, int, int]:
+    """The flat RGB colour of the images of class ``wnid`` (:func:`write_tiny_imagenet`)."""
+    k = TINY_IMAGENET_WNIDS.index(wnid)
+    return (40 + 60 * k, 200 - 50 * k, 90 + 70 * k)
+
+
+def write_tiny_imagenet(root: Path, per_class: int = 4, n_val: int = 12) -> list[str]:
+    """Write a tiny ``tiny-imagenet-200`` tree; return the wnid of each ``val_<i>.JPEG``.
+
+    Every image of a class is its flat :func:`tiny_imagenet_color` plus seeded noise of +-3;
+    the first training image of wnids.txt's first class is a grayscale JPEG (its colour's
+    luma), as some of the real dataset's are. The unlabelled ``test`` folder holds one image.
+    """
+    rng = np.random.default_rng(SEED)
+    base = root / "tiny-imagenet-200"
+
+    def save(path: Path, wnid: str, gray: bool = False) -> None:
+        color = np.array(tiny_imagenet_color(wnid), dtype=np.int64)
+        pixels = np.clip(color + rng.integers(-3, 4, (64, 64, 3)), 0, 255).astype(np.uint8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image = Image.fromarray(pixels)
+        (image.convert("L") if gray else image).save(path, quality=95)
+
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "wnids.txt").write_text("".join(f"{w}\n" for w in TINY_IMAGENET_WNIDS))
+    for wnid in TINY_IMAGENET_WNIDS:
+        boxes = []
+        for i in range(per_class):
+            name = f"{wnid}_{i}.JPEG"
+            gray = i == 0 and wnid == TINY_IMAGENET_WNIDS[0]
+            save(base / "train" / wnid / "images" / name, wnid, gray)
+            boxes.append(f"{name}\t0\t0\t63\t63\n")
+        (base / "train" / wnid / f"{wnid}_boxes.txt").write_text("".join(boxes))
+    val_wnids = [TINY_IMAGENET_WNIDS[k] for k in rng.integers(0, 3, n_val)]
+    lines = []
+    for i, wnid in enumerate(val_wnids):
+        save(base / "val" / "images" / f"val_{i}.JPEG", wnid)
+        lines.append(f"val_{i}.JPEG\t{wnid}\t0\t5\t60\t62\n")
+    (base / "val" / "val_annotations.txt").write_text("".join(lines))
+    save(base / "test" / "images" / "test_0.JPEG", TINY_IMAGENET_WNIDS[0])
+    return val_wnids
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "files")
     write_mnist(out)
@@ -100,4 +150,5 @@ if __name__ == "__main__":
     write_mnist(out, "EMNIST", num_classes=62, prefix="emnist-byclass-")
     write_cifar(out)
     write_cifar(out, hundred=True)
+    write_tiny_imagenet(out)
     print(f"wrote fake datasets under {out}")
