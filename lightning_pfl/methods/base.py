@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,10 @@ from lightning_pfl.graphs import CudaGraphRecorder, RoundGraphs
 from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
 from lightning_pfl.reporting import per_client_figure, report_partition
+
+if TYPE_CHECKING:
+    from lightning_pfl.assignment import NetworkGroups
+
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -558,9 +562,26 @@ class FederatedMethod(LightningModule, ABC):
             logger.log_metrics(dict(metrics), step=self.global_step)
 
     # ----------------------------------------------------------------- evaluation
+    def network_groups(self) -> NetworkGroups | None:
+        """Client groups whose networks differ, evaluated one group at a time (default none)."""
+        return None
+
     @torch.no_grad()
     def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
-        """Correct predictions, sample counts and summed loss of each client's own model."""
+        """Correct predictions, sample counts and summed loss of each client's own model, one
+        :meth:`network_groups` group at a time."""
+        groups = self.network_groups()
+        if groups is None:
+            return self.evaluate_clients(clients, split)
+        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
+        for _, rows in groups.split(clients):
+            for total, part in zip(out, self.evaluate_clients(clients[rows], split), strict=True):
+                total[rows] = part
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def evaluate_clients(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`evaluate` for ``clients`` that share one network architecture (one vmap)."""
         params = self.personalized_params(clients)
         batched_predict = vmap(self.predict)
         correct = torch.zeros(len(clients), device=self.device)

@@ -126,14 +126,8 @@ class HeterogeneousModels(FederatedMethod):
         prefix = len(kind) + 1
         return self.groups.archs[kind]({n[prefix:]: t for n, t in params.items()}, x)
 
-    @torch.no_grad()
-    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
-        """As the base class, one architecture group at a time."""
-        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
-        for _, rows in self.groups.split(clients):
-            for total, part in zip(out, super().evaluate(clients[rows], split), strict=True):
-                total[rows] = part
-        return out  # type: ignore[return-value]
+    def network_groups(self) -> NetworkGroups:
+        return self.groups
 
 
 class FedGH(HeterogeneousModels):

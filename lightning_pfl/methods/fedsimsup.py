@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_pfl.assignment import NetworkGroups
-from lightning_pfl.datamodule import Split
 from lightning_pfl.engine import Architecture, LossFn, Params, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
@@ -255,14 +254,8 @@ class FedSimSup(FederatedMethod):
             f"sup.{kind}.{n}": t for n, t in sup.items()
         }
 
-    @torch.no_grad()
-    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
-        """As the base class, one supervisor type at a time (their architectures differ)."""
-        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
-        for _, rows in self.supervisors.split(clients):
-            for total, part in zip(out, super().evaluate(clients[rows], split), strict=True):
-                total[rows] = part
-        return out  # type: ignore[return-value]
+    def network_groups(self) -> NetworkGroups:
+        return self.supervisors
 
     def results(self) -> dict[str, Any]:
         def size(arch: Architecture) -> int:

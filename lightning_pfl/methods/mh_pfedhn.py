@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.assignment import NetworkGroups
-from lightning_pfl.datamodule import Split
 from lightning_pfl.engine import (
     Architecture,
     ClientBatches,
@@ -388,14 +387,8 @@ class MHPFedHN(FederatedMethod):
         own = {n.split(SEP, 1)[1]: t for n, t in params.items()}
         return self.zoo.archs[kind](own, x)
 
-    @torch.no_grad()
-    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
-        """As the base class, one architecture at a time."""
-        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
-        for _, rows in self.zoo.split(clients):
-            for total, part in zip(out, super().evaluate(clients[rows], split), strict=True):
-                total[rows] = part
-        return out  # type: ignore[return-value]
+    def network_groups(self) -> NetworkGroups:
+        return self.zoo
 
     def results(self) -> dict[str, Any]:
         return super().results() | {

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pfl.assignment import NetworkGroups
-from lightning_pfl.datamodule import Split
 from lightning_pfl.engine import Params, cross_entropy_loss
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import payload_bytes
@@ -203,14 +202,8 @@ class PFedHNBudgets(PFedHN):
         own = {n.split(SEP, 1)[1]: t for n, t in params.items()}
         return self.sizes.archs[size](own, x)
 
-    @torch.no_grad()
-    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
-        """As the base class, one size at a time."""
-        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
-        for _, rows in self.sizes.split(clients):
-            for total, part in zip(out, super().evaluate(clients[rows], split), strict=True):
-                total[rows] = part
-        return out  # type: ignore[return-value]
+    def network_groups(self) -> NetworkGroups:
+        return self.sizes
 
     # ----------------------------------------------------------------- state and results
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
