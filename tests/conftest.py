@@ -66,16 +66,23 @@ def fit(
 def fake_data_root(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> str:
-    """Tiny MNIST, FashionMNIST, EMNIST and CIFAR files, torchvision's md5s patched to them."""
+    """Tiny MNIST, FashionMNIST, EMNIST, CIFAR and Tiny-ImageNet files, torchvision's md5s
+    patched to them."""
     import torchvision.datasets as tvd
 
-    from tests.data.fake_datasets import mnist_resources, write_cifar, write_mnist
+    from tests.data.fake_datasets import (
+        mnist_resources,
+        write_cifar,
+        write_mnist,
+        write_tiny_imagenet,
+    )
 
     root = tmp_path_factory.mktemp("datasets")
     write_mnist(root)
     fashion = write_mnist(root, "FashionMNIST", gz=True)
     monkeypatch.setattr(tvd.FashionMNIST, "resources", mnist_resources(fashion))
     write_mnist(root, "EMNIST", num_classes=62, prefix="emnist-byclass-")
+    write_tiny_imagenet(root, per_class=8)
     for cls, hundred in ((tvd.CIFAR10, False), (tvd.CIFAR100, True)):
         md5 = write_cifar(root, hundred=hundred)
         monkeypatch.setattr(cls, "train_list", [[f, md5[f]] for f, _ in cls.train_list])
