@@ -52,9 +52,14 @@ class ClientIndex:
         return cls(flat.to(device), offsets.to(device), counts.to(device))
 
     def lookup(self, clients: Tensor, positions: Tensor) -> Tensor:
-        """Pooled-input index of position ``positions[c, ...]`` of client ``clients[c]``."""
+        """Pooled-input index of position ``positions[c, ...]`` of client ``clients[c]``.
+
+        Positions past a client's count wrap around its samples, so the padding of a batch
+        repeats the client's own samples in turn (batch-norm statistics of a padded batch are
+        not dominated by one repeated image).
+        """
         counts = self.counts[clients].view(-1, *([1] * (positions.dim() - 1)))
-        safe = torch.minimum(positions, (counts - 1).clamp_min(0))
+        safe = positions % counts.clamp_min(1)
         offsets = self.offsets[clients].view_as(counts)
         return self.flat[offsets + safe]
 
@@ -378,7 +383,8 @@ class FederatedDataModule(LightningDataModule):
             perm = keys.argsort(dim=-1)
             per_epoch = math.ceil(n_max / batch)
             pad = per_epoch * batch - n_max
-            perm = torch.cat([perm, perm.new_full((*perm.shape[:2], pad), n_max)], -1)
+            padding = torch.arange(n_max, n_max + pad, device=self.device)
+            perm = torch.cat([perm, padding.expand(*perm.shape[:2], pad)], -1)
             chosen = perm.view(len(clients), reps * per_epoch, batch)
         weight = (chosen < counts.view(-1, 1, 1)).float()
         return ClientBatches(idx.lookup(clients, chosen), weight, weight.amax(-1) > 0)

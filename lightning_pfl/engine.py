@@ -65,6 +65,11 @@ class Architecture:
         drop_batch_counters(net)
         self.shapes = {name: tuple(p.shape) for name, p in net.named_parameters()}
         self.buffer_shapes = {name: tuple(b.shape) for name, b in net.named_buffers()}
+        self.batch_norm_momentum: dict[str, float] = {}
+        for name, module in net.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum:
+                for stat in ("running_mean", "running_var"):
+                    self.batch_norm_momentum[f"{name}.{stat}"] = module.momentum
         head = getattr(net, "classifier_name", None)
         if head is None:
             head = [name for name, m in net.named_modules() if isinstance(m, nn.Linear)][-1]
@@ -94,6 +99,19 @@ class Architecture:
         buffers = {n: tensors[n].clone() for n in self.buffer_shapes}
         logits = functional_call(self._template, {**tensors, **buffers}, (x,))
         return logits, buffers
+
+    def batch_statistics(self, tensors: Mapping[str, Tensor], x: Tensor) -> Params:
+        """Every batch norm's statistics of batch ``x`` (mean, unbiased variance), by buffer name.
+
+        A training-mode forward from zero running statistics leaves momentum times the batch's
+        statistics in them; ``tensors`` holds parameters and buffers (whose values are unused).
+        """
+        others = set(self.buffer_shapes) - set(self.batch_norm_momentum)
+        if others:
+            raise ValueError(f"buffers other than batch-norm statistics: {sorted(others)}")
+        zeros = {n: torch.zeros_like(tensors[n]) for n in self.buffer_shapes}
+        _, updated = self.forward_train({**tensors, **zeros}, x)
+        return {n: t / self.batch_norm_momentum[n] for n, t in updated.items()}
 
     def features(self, tensors: Mapping[str, Tensor], x: Tensor, train: bool = False) -> Tensor:
         """The representation the classifier reads (needs a ``TargetNetwork``)."""

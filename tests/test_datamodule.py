@@ -83,6 +83,24 @@ def test_epoch_batches_visit_every_sample_once_per_epoch() -> None:
         assert (seen[seen > 0] == 2).all()
 
 
+def test_padding_of_a_partial_batch_repeats_the_clients_own_samples_in_turn() -> None:
+    dm = digits_data(5)
+    clients = torch.tensor([0, 1, 2])
+    counts = [len(dm._parts["train"][c]) for c in clients.tolist()]
+    batch = 32
+    batches = dm.client_batches(clients, batch, torch.Generator().manual_seed(0), epochs=1)
+    for c, client in enumerate(clients.tolist()):
+        own = dm._parts["train"][client].tolist()
+        last = int(batches.active[c].sum()) - 1  # the client's last (partial) batch
+        drawn = batches.index[c, last].tolist()
+        real = counts[c] - last * batch
+        assert 0 < real < batch, "the test needs a partial last batch"
+        # every entry, padding included, is one of the client's samples, as many distinct ones
+        # as a batch can hold: padding is not one image repeated (batch-norm statistics)
+        assert set(drawn) <= set(own)
+        assert len(set(drawn)) == min(batch, counts[c])
+
+
 def test_inputs_are_normalized_on_the_fly() -> None:
     dm = digits_data(3)
     x, y = dm.fetch(dm.index["train"].flat)

@@ -92,6 +92,25 @@ def test_zoo_networks_are_vmappable_with_per_client_state(name: str) -> None:
     assert arch.stateful == name.startswith("resnet")
 
 
+def test_batch_statistics_are_each_batch_norms_batch_mean_and_unbiased_variance() -> None:
+    torch.manual_seed(0)
+    net = build_network("resnet10", (1, 8, 8), 10, widths=(4, 4, 8), blocks=(1, 1, 1))
+    arch = Architecture(copy.deepcopy(net))
+    x = torch.randn(12, 1, 8, 8)
+    for module in net.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.momentum = 1.0  # running statistics := this batch's
+    net.train()(x)
+    expected = dict(net.named_buffers())
+    state = arch.initial_state()  # the buffers' values must not matter
+    state = {n: t + 5.0 if n in arch.buffer_shapes else t for n, t in state.items()}
+    got = arch.batch_statistics(state, x)
+    norms = sum(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules())
+    assert set(got) == set(arch.buffer_shapes) and len(got) == 2 * norms
+    for n, value in got.items():
+        torch.testing.assert_close(value, expected[n], rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- multi-head hypernetwork
 def test_slots_and_head_sharing() -> None:
     counts = [5000, 3072, 6144, 3073, 100]  # tau = 2, 1, 2, 2, 1
@@ -328,6 +347,37 @@ def test_per_architecture_accuracy_is_logged(tmp_path: Path) -> None:
     for name in ("cnn", "mlp", "resnet"):
         assert f"arch_{name}/acc" in result["test_at_best_val"]
     assert set(result["client_parameters"]) == {"cnn", "mlp", "resnet"}
+
+
+def test_evaluation_re_estimates_batch_norm_statistics_on_each_clients_own_data() -> None:
+    # one batch covers a client's training data, so the statistics are that data's exactly
+    method = build_mh(num_clients=6, batch_size=1000)
+    method.run_round(0, torch.tensor([0, 1, 2, 3, 4, 5]))  # the store's statistics move
+    clients = method.client_groups()["arch_res"]
+    stored = method.store.gather("buffers.res", method.zoo.row_of[clients], method.device)
+    arch, codec = method.zoo.archs["res"], method.codecs["res"]
+    generated = codec.to_params(method.hnet(clients.tolist()).detach())
+    got = method.personalized_params(clients)
+    sizes = [len(method.data._parts["train"][client]) for client in clients.tolist()]
+    for c, client in enumerate(clients.tolist()):
+        x, _ = method.data.fetch(method.data._parts["train"][client])
+        one = {n: t[c] for n, t in generated.items()}
+        zeros = {n: torch.zeros(shape) for n, shape in arch.buffer_shapes.items()}
+        expected = arch.batch_statistics(one | zeros, x)
+        alone = method.personalized_params(clients[c : c + 1])
+        # together, a smaller client's batch is padded with repeats of its own samples
+        together = sizes[c] == max(sizes)
+        for n, value in expected.items():
+            torch.testing.assert_close(alone[f"res/{n}"][0], value, rtol=1e-4, atol=1e-5)
+            if together:
+                torch.testing.assert_close(got[f"res/{n}"][c], value, rtol=1e-4, atol=1e-5)
+    # evaluation stores nothing; without recalibration the client's stored statistics are used
+    after = method.store.gather("buffers.res", method.zoo.row_of[clients], method.device)
+    assert all(torch.equal(stored[n], after[n]) for n in stored)
+    assert not torch.allclose(got["res/bn.running_var"], stored["bn.running_var"])
+    method.hparams.recalibrate_batch_norm = False
+    kept = method.personalized_params(clients)
+    assert all(torch.equal(kept[f"res/{n}"], stored[n]) for n in stored)
 
 
 # ---------------------------------------------------------------- Tables 13-15
