@@ -24,12 +24,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import Architecture
+from lightning_pfl.engine import Architecture, Params
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.models import build_network
 from lightning_pfl.partition import largest_remainder
 
 GROUP_KEYS = {"net", "net_args", "share", "clients"}
+SEP = "/"  # a group's personalized tensors are keyed "<group>/<tensor>" (see NetworkGroups.tagged)
 
 
 class NetworkGroups:
@@ -69,6 +70,24 @@ class NetworkGroups:
         """Client ids of ``group`` (index or name), ascending."""
         index = self.names.index(group) if isinstance(group, str) else group
         return (self.group_of == index).nonzero()[:, 0]
+
+    def group_of_clients(self, clients: Tensor) -> str:
+        """The one group every client of ``clients`` belongs to (evaluation is per group)."""
+        names = [name for name, _ in self.split(clients)]
+        if len(names) != 1:
+            raise ValueError(f"expected clients of one architecture group, got groups {names}")
+        return names[0]
+
+    @staticmethod
+    def tagged(group: str, params: Params) -> Params:
+        """``params`` of ``group``'s network keyed ``"<group>/<tensor>"``, as :meth:`predict`
+        reads them."""
+        return {f"{group}{SEP}{n}": t for n, t in params.items()}
+
+    def predict(self, params: Params, x: Tensor) -> Tensor:
+        """Logits of the network of the group named in ``params``' keys (see :meth:`tagged`)."""
+        group = next(iter(params)).split(SEP, 1)[0]
+        return self.archs[group]({n.split(SEP, 1)[1]: t for n, t in params.items()}, x)
 
     def split(self, clients: Tensor) -> Iterator[tuple[str, Tensor]]:
         """(group name, positions in ``clients``) for every group among ``clients``."""

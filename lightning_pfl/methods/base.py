@@ -207,12 +207,18 @@ class FederatedMethod(LightningModule, ABC):
         return None
 
     def predict(self, params: Params, x: Tensor) -> Tensor:
-        """Logits of one client's personalized model (vmapped over clients in evaluation)."""
-        return self.arch(params, x)
+        """Logits of one client's personalized model (vmapped over clients in evaluation).
+
+        With :meth:`network_groups`, ``params`` are keyed by group (``NetworkGroups.tagged``).
+        """
+        groups = self.network_groups()
+        return self.arch(params, x) if groups is None else groups.predict(params, x)
 
     def client_groups(self) -> dict[str, Tensor]:
-        """Named groups of client ids whose accuracy is also reported separately (default none)."""
-        return {}
+        """Named groups of client ids whose accuracy is also reported separately (default: the
+        :meth:`network_groups`, as ``arch_<name>``)."""
+        groups = self.network_groups()
+        return {} if groups is None else groups.client_groups("arch")
 
     def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
         """What the held-out novel ``clients`` adapt after training, and on which loss.

@@ -100,9 +100,6 @@ class HeterogeneousModels(FederatedMethod):
             )
         self.representation_size = next(iter(shapes))[1]
 
-    def client_groups(self) -> dict[str, Tensor]:
-        return self.groups.client_groups("arch")
-
     def gather_models(self, kind: str, clients: Tensor) -> Params:
         """The stored models of ``clients`` (all of group ``kind``)."""
         return self.store.gather(f"model.{kind}", self.groups.row_of[clients.cpu()], self.device)
@@ -115,16 +112,8 @@ class HeterogeneousModels(FederatedMethod):
 
     # ----------------------------------------------------------------- evaluation
     def personalized_params(self, clients: Tensor) -> Params:
-        kinds = list(self.groups.split(clients))
-        if len(kinds) != 1:
-            raise ValueError("personalized_params takes clients of one architecture group")
-        kind = kinds[0][0]
-        return {f"{kind}.{n}": t for n, t in self.gather_models(kind, clients).items()}
-
-    def predict(self, params: Params, x: Tensor) -> Tensor:
-        kind = next(iter(params)).split(".", 1)[0]
-        prefix = len(kind) + 1
-        return self.groups.archs[kind]({n[prefix:]: t for n, t in params.items()}, x)
+        kind = self.groups.group_of_clients(clients)
+        return self.groups.tagged(kind, self.gather_models(kind, clients))
 
     def network_groups(self) -> NetworkGroups:
         return self.groups

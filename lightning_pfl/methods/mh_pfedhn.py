@@ -50,7 +50,6 @@ from lightning_pfl.validation import (
 )
 
 Fraction = Annotated[float, Range(gt=0, le=1)]
-SEP = "/"  # personalized params are keyed "<architecture>/<tensor>" (evaluation dispatches on it)
 # Keys of the per-client tensors handed to the local loss next to a model's own tensors:
 FREEZE = "freeze"  # [C] bool: the client holds its leading layers at their generated values
 GENERATED = "generated."  # + tensor name: the generated value of a frozen tensor
@@ -202,9 +201,6 @@ class MHPFedHN(FederatedMethod):
     def extra_counts(self) -> list[int]:
         """Counts of hypernetwork rows after the clients' (MH-pFedHNG: the global model)."""
         return []
-
-    def client_groups(self) -> dict[str, Tensor]:
-        return self.zoo.client_groups("arch")
 
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
         h = self.hp
@@ -382,10 +378,7 @@ class MHPFedHN(FederatedMethod):
 
     # ----------------------------------------------------------------- evaluation
     def personalized_params(self, clients: Tensor) -> Params:
-        groups = list(self.zoo.split(clients))
-        if len(groups) != 1:
-            raise ValueError("personalized_params takes clients of one architecture")
-        kind = groups[0][0]
+        kind = self.zoo.group_of_clients(clients)
         arch = self.zoo.archs[kind]
         with torch.no_grad():
             params = self.codecs[kind].to_params(self.hnet(clients.cpu().tolist()))
@@ -394,7 +387,7 @@ class MHPFedHN(FederatedMethod):
             elif arch.stateful:
                 rows = self.zoo.row_of[clients.cpu()]
                 params |= self.store.gather(f"buffers.{kind}", rows, self.device)
-        return {f"{kind}{SEP}{n}": t for n, t in params.items()}
+        return self.zoo.tagged(kind, params)
 
     def batch_norm_statistics(self, arch: Architecture, params: Params, clients: Tensor) -> Params:
         """Batch-norm statistics of ``params`` (stacked over ``clients``), each client's mean
@@ -417,11 +410,6 @@ class MHPFedHN(FederatedMethod):
                 sums[n] += active[:, step].view(-1, *[1] * (value.dim() - 1)) * value
         count = active.sum(1).clamp_min(1)
         return {n: t / count.view(-1, *[1] * (t.dim() - 1)) for n, t in sums.items()}
-
-    def predict(self, params: Params, x: Tensor) -> Tensor:
-        kind = next(iter(params)).split(SEP, 1)[0]
-        own = {n.split(SEP, 1)[1]: t for n, t in params.items()}
-        return self.zoo.archs[kind](own, x)
 
     def network_groups(self) -> NetworkGroups:
         return self.zoo

@@ -18,7 +18,6 @@ from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads, set_delta_gradients
 
-SEP = "/"  # personalized params are keyed "<size>/<tensor>" (evaluation dispatches on it)
 PAPER_SIZES: dict[str, dict[str, Any]] = {
     name: {"net": "cnn", "net_args": {"n_kernels": k}}
     for name, k in (("S", 8), ("M", 16), ("L", 32))
@@ -142,9 +141,6 @@ class PFedHNBudgets(PFedHN):
         assert isinstance(self.hnet, BudgetHyperNetwork)
         return self.hnet
 
-    def client_groups(self) -> dict[str, Tensor]:
-        return self.sizes.client_groups("arch")
-
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         batches = self.draw_batches(clients, round_idx)
         features = self.network.body.features(clients)
@@ -172,8 +168,8 @@ class PFedHNBudgets(PFedHN):
             weights += [torch.full((len(rows),), 1.0 / len(clients), device=self.device)] * len(
                 theta
             )
-            down |= {f"{size}{SEP}{n}": t for n, t in start.items()}
-            up |= {f"{size}{SEP}{n}": t for n, t in delta.items()}
+            down |= self.sizes.tagged(size, start)
+            up |= self.sizes.tagged(size, delta)
             totals = self.comm_bytes_by_size[size]
             totals[0] += payload_bytes(start)
             totals[1] += payload_bytes(delta)
@@ -189,18 +185,9 @@ class PFedHNBudgets(PFedHN):
 
     # ----------------------------------------------------------------- evaluation
     def personalized_params(self, clients: Tensor) -> Params:
-        groups = list(self.sizes.split(clients))
-        if len(groups) != 1:
-            raise ValueError("personalized_params takes clients of one size")
-        size = groups[0][0]
+        size = self.sizes.group_of_clients(clients)
         with torch.no_grad():
-            params = self.network(clients, size)
-        return {f"{size}{SEP}{n}": t for n, t in params.items()}
-
-    def predict(self, params: Params, x: Tensor) -> Tensor:
-        size = next(iter(params)).split(SEP, 1)[0]
-        own = {n.split(SEP, 1)[1]: t for n, t in params.items()}
-        return self.sizes.archs[size](own, x)
+            return self.sizes.tagged(size, self.network(clients, size))
 
     def network_groups(self) -> NetworkGroups:
         return self.sizes
