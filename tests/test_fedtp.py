@@ -259,6 +259,22 @@ def test_fedtp_knn_predicts_from_the_clients_own_memory(knn_weight: float) -> No
         torch.testing.assert_close(out, torch.log_softmax(logits, -1))
 
 
+def test_fedtp_knn_defaults_follow_the_reference_code() -> None:
+    # lambda 0.6 on the kNN distribution, similarities exp(-d / D) with D the feature dimension
+    method = small(FedTPKNN)
+    clients = torch.tensor([1, 2])
+    params = method.personalized_params(clients)
+    index = method.data.index["train"].lookup(clients, torch.arange(4).expand(2, -1))
+    x, _ = method.data.fetch(index)
+    for c in range(2):
+        one = {n: t[c] for n, t in params.items()}
+        z = method.arch.features(method.network_tensors(one), x[c])
+        memory = (one["knn.memory"], one["knn.labels"], one["knn.mask"])
+        probs = knn_probabilities(z, *memory, method.hp.num_classes, 10, float(z.shape[-1]))
+        expected = interpolate_with_knn(method.arch.classify(one, z), probs, 0.6)
+        torch.testing.assert_close(method.predict(one, x[c]), expected)
+
+
 @pytest.mark.parametrize("cls", [FedTP, FedTPRoD, VanillaPersonalizedT])
 def test_vectorized_equals_sequential(cls: type[FederatedMethod]) -> None:
     assert_vectorized_equals_sequential(

@@ -312,9 +312,10 @@ class FedTPKNN(FedTP):
     lambda p_kNN + (1 - lambda) softmax(logits).
 
     Args:
-        knn_k: neighbours k.
-        knn_weight: interpolation weight lambda of the kNN distribution.
-        knn_temperature: temperature T of the distance softmax over neighbours.
+        knn_k: neighbours k (reference code: 10).
+        knn_weight: interpolation weight lambda of the kNN distribution (reference code: 0.6).
+        knn_temperature: temperature T of the distance softmax over neighbours (squared
+            Euclidean distances); None: the feature dimension, as the reference code.
         **kwargs: see :class:`FedTP`.
     """
 
@@ -323,8 +324,8 @@ class FedTPKNN(FedTP):
     def __init__(
         self,
         knn_k: PositiveInt = 10,
-        knn_weight: UnitInterval = 0.5,
-        knn_temperature: PositiveFloat = 1.0,
+        knn_weight: UnitInterval = 0.6,
+        knn_temperature: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -352,6 +353,6 @@ class FedTPKNN(FedTP):
             params["knn.mask"],
             h.num_classes,
             h.knn_k,
-            h.knn_temperature,
+            h.knn_temperature or z.shape[-1],
         )
         return interpolate_with_knn(logits, probs, h.knn_weight)
