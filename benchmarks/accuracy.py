@@ -107,6 +107,7 @@ def run_one(config: Path, extra: list[str], log_dir: Path, name: str) -> dict[st
         *extra,
     ]
     cli = run(args)
+    assert cli.trainer.log_dir is not None, "the benchmark runs always have a logger"
     run_dir = Path(cli.trainer.log_dir)
     with open(run_dir / "results.json") as f:
         result: dict[str, Any] = json.load(f)
@@ -142,6 +143,10 @@ def summarize(
         "test_acc_weighted_at_best_val": best.get("acc_weighted"),
         "test_acc_last": last.get("acc"),
         "test_acc_weighted_last": last.get("acc_weighted"),
+        # per client group (e.g. arch_<name> of model-heterogeneous methods), mean over clients
+        "test_group_acc_at_best_val": {
+            key.removesuffix("/acc"): value for key, value in best.items() if key.endswith("/acc")
+        },
         "seconds_per_round": result["seconds_per_round"],
         "comm_bytes_total": result["comm_bytes_down_total"] + result["comm_bytes_up_total"],
         **result["stability"],

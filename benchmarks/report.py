@@ -54,6 +54,30 @@ def accuracy_table(files: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def group_table(files: list[dict[str, Any]]) -> str:
+    """Mean ± std over seeds of each client group's test accuracy at the best validation
+    round (``test_group_acc_at_best_val``), one line per (split, method); empty without groups."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for result in files:
+        for row in result["rows"]:
+            if row.get("test_group_acc_at_best_val"):
+                groups[(row["split"], row["method"])].append(row)
+    if not groups:
+        return ""
+    lines = [
+        "| split | method | seeds | test acc @ best val per client group, mean over clients (%) |",
+        "|---|---|---|---|",
+    ]
+    for (split, method), rows in sorted(groups.items(), key=lambda item: item[0][0]):
+        names = list(rows[0]["test_group_acc_at_best_val"])
+        cells = ", ".join(
+            f"{name} {_mean_std([r['test_group_acc_at_best_val'].get(name) for r in rows])}"
+            for name in names
+        )
+        lines.append(f"| {split} | {method} | {len(rows)} | {cells} |")
+    return "\n".join(lines)
+
+
 def _ratio(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
@@ -105,6 +129,9 @@ def main() -> None:
             print(f"### `{path}` ({len(files)} methods)\n")
             print(accuracy_table(files))
             print()
+            if groups := group_table(files):
+                print(groups)
+                print()
             continue
         result = json.loads(path.read_text())
         env = result["environment"]

@@ -122,7 +122,7 @@ def build(
     )
     data.setup()
     data.to(torch.device(args.device))
-    epochs = {"local_epochs": 1} if args.workload == "lenet5_mnist" else {}
+    epochs: dict[str, Any] = {"local_epochs": 1} if args.workload == "lenet5_mnist" else {}
     model = METHODS[method](
         num_clients=num_clients,
         num_classes=10,

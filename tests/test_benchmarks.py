@@ -68,3 +68,29 @@ def test_report_renders_end_to_end_rows_and_skips_an_empty_total_clients_table()
     table = report.speed_table(result)
     assert "total clients" not in table
     assert "| vectorized | 9 | 0.2500 | 0.2000 |" in table.splitlines()
+
+
+def test_accuracy_rows_keep_each_client_groups_accuracy_and_the_report_averages_seeds() -> None:
+    from benchmarks.accuracy import summarize
+
+    def result(seed_acc: float) -> dict:
+        test = {"acc": 0.8, "acc_weighted": 0.8, "arch_cnn/acc": seed_acc, "arch_res/acc": 0.5}
+        test |= {"arch_cnn/acc_weighted": 0.0, "acc_std": 0.1}
+        return {
+            "method": "MHPFedHN",
+            "rounds": 2,
+            "best_round": 2,
+            "select_metric": "acc",
+            "test_at_best_val": test,
+            "test_last": test,
+            "seconds_per_round": 1.0,
+            "comm_bytes_down_total": 0.0,
+            "comm_bytes_up_total": 0.0,
+            "stability": {},
+        }
+
+    rows = [summarize("mh", "pathological", s, result(a), "abc") for s, a in ((0, 0.9), (1, 0.7))]
+    assert rows[0]["test_group_acc_at_best_val"] == {"arch_cnn": 0.9, "arch_res": 0.5}
+    table = report.group_table([{"rows": rows}])
+    assert "| pathological | mh | 2 | arch_cnn 80.00 ± 10.00, arch_res 50.00 ± 0.00 |" in table
+    assert report.group_table([{"rows": [{**rows[0], "test_group_acc_at_best_val": {}}]}]) == ""
