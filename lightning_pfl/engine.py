@@ -31,6 +31,18 @@ def derive_seed(*keys: int) -> int:
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
+def prefixed(prefix: str, params: Params) -> Params:
+    """``params`` renamed ``prefix.<name>`` (several models in one tensor dict)."""
+    return {f"{prefix}.{n}": t for n, t in params.items()}
+
+
+def split_prefixed(params: Params, *prefixes: str) -> tuple[Params, ...]:
+    """The tensors of ``params`` under each ``prefix.``, with the prefix removed."""
+    return tuple(
+        {n[len(p) + 1 :]: t for n, t in params.items() if n.startswith(p + ".")} for p in prefixes
+    )
+
+
 def drop_batch_counters(net: nn.Module) -> nn.Module:
     """Remove batch norm's integer ``num_batches_tracked`` (unused with a momentum), in place.
 

@@ -6,6 +6,8 @@ returns the weighted mean over the batch, like the engine's cross-entropy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -14,6 +16,13 @@ from torch import Tensor
 def weighted_mean(per_sample: Tensor, weight: Tensor) -> Tensor:
     """Mean of ``per_sample`` over the samples with weight 1 (padding has weight 0)."""
     return (per_sample * weight).sum() / weight.sum().clamp_min(1.0)
+
+
+def linear_surrogate(params: Mapping[str, Tensor], direction: Mapping[str, Tensor]) -> Tensor:
+    """A zero-valued loss whose gradient with respect to ``params`` is ``direction`` (a step
+    direction computed inside the loss, handed to the engine's SGD as a gradient)."""
+    inner = sum((params[n] * d.detach()).sum() for n, d in direction.items())
+    return inner - inner.detach()  # type: ignore[union-attr]
 
 
 def balanced_softmax_cross_entropy(

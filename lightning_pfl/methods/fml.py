@@ -6,21 +6,17 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_pfl.engine import ParamGroup, Params, TrainResult, weighted_cross_entropy
+from lightning_pfl.engine import (
+    ParamGroup,
+    Params,
+    TrainResult,
+    prefixed,
+    split_prefixed,
+    weighted_cross_entropy,
+)
 from lightning_pfl.losses import distillation_loss
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import UnitInterval
-
-
-def split_prefixed(params: Params, *prefixes: str) -> tuple[Params, ...]:
-    """The tensors of ``params`` under each ``prefix.`` with the prefix removed."""
-    return tuple(
-        {n[len(p) + 1 :]: t for n, t in params.items() if n.startswith(p + ".")} for p in prefixes
-    )
-
-
-def prefixed(prefix: str, params: Params) -> Params:
-    return {f"{prefix}.{n}": t for n, t in params.items()}
 
 
 class FML(FedAvg):

@@ -8,10 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult, weighted_cross_entropy
+from lightning_pfl.engine import (
+    ParamGroup,
+    Params,
+    SGDConfig,
+    TrainResult,
+    prefixed,
+    split_prefixed,
+    weighted_cross_entropy,
+)
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.methods.fml import prefixed, split_prefixed
 from lightning_pfl.validation import PositiveFloat, UnitInterval
 
 

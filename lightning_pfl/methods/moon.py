@@ -10,7 +10,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_pfl.engine import Params, TrainResult, weighted_cross_entropy
+from lightning_pfl.engine import (
+    Params,
+    TrainResult,
+    prefixed,
+    split_prefixed,
+    weighted_cross_entropy,
+)
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg, _weighted_mean
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat, PositiveInt
@@ -95,15 +101,15 @@ class MOON(FedAvg):
 
     def moon_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
         z, logits = self.represent(params, x, train=True)
-        z_glob = self.represent(_prefixed(frozen, "global."), x)[0].detach()
-        z_prev = self.represent(_prefixed(frozen, "previous."), x)[0].detach()
+        glob, previous = split_prefixed(frozen, "global", "previous")
+        z_glob = self.represent(glob, x)[0].detach()
+        z_prev = self.represent(previous, x)[0].detach()
         contrastive = model_contrastive_loss(z, z_glob, z_prev, self.hp.temperature, w)
         return weighted_cross_entropy(logits, y, w) + self.hp.mu * contrastive
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
         previous = self.store.gather("previous", clients, self.device)
-        frozen = {f"global.{n}": t for n, t in start.items()}
-        frozen |= {f"previous.{n}": t for n, t in previous.items()}
+        frozen = prefixed("global", start) | prefixed("previous", previous)
         result = self.local_train(
             {n: t.clone() for n, t in start.items()},
             clients,
@@ -117,7 +123,3 @@ class MOON(FedAvg):
     def personalized_params(self, clients: Tensor) -> Params:
         params = super().personalized_params(clients)
         return {n: t for n, t in params.items() if not n.startswith(PROJ)}
-
-
-def _prefixed(tensors: Params, prefix: str) -> Params:
-    return {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}

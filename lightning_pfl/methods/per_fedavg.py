@@ -10,8 +10,8 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 
 from lightning_pfl.engine import Params, TrainResult, derive_seed, weighted_cross_entropy
+from lightning_pfl.losses import linear_surrogate
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.methods.pfedme import _linear_surrogate
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
 ADAPT_STREAM = 101  # seeds the evaluation's adaptation batch (apart from the base's streams)
@@ -89,7 +89,7 @@ class PerFedAvg(FedAvg):
         if h.variant == "hf":
             hv = hessian_vector_product(grad(f(2)), start, outer, h.delta)
             outer = {n: g - h.alpha * hv[n] for n, g in outer.items()}
-        return value.detach() + _linear_surrogate(params, outer)
+        return value.detach() + linear_surrogate(params, outer)
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
         return self.local_train(start, clients, round_idx, loss_fn=self.client_loss)

@@ -11,6 +11,7 @@ from torch.func import grad_and_value
 
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.losses import linear_surrogate
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import (
     Momentum,
@@ -37,12 +38,6 @@ def moreau_solve(
         grads, value = grad_and_value(f)(theta)
         theta = {n: t - lr * (grads[n] + lam * (t - w[n])) for n, t in theta.items()}
     return theta, value.detach()
-
-
-def _linear_surrogate(params: Params, direction: Params) -> Tensor:
-    """A zero-valued loss whose gradient with respect to ``params`` is ``direction``."""
-    inner = sum((params[n] * d.detach()).sum() for n, d in direction.items())
-    return inner - inner.detach()  # type: ignore[union-attr]
 
 
 class PFedMe(FedAvg):
@@ -119,7 +114,7 @@ class PFedMe(FedAvg):
         theta, value = moreau_solve(f, theta_old, w, h.lam, h.personal_lr, h.inner_steps)
         direction = {n: h.lam * (w[n] - theta[n]) for n in w}  # grad of the Moreau envelope
         direction |= {THETA + n: theta_old[n] - theta[n] for n in w}  # lr 1: theta_old -> theta
-        return value + _linear_surrogate(params, direction)
+        return value + linear_surrogate(params, direction)
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
         theta = {THETA + n: t.clone() for n, t in start.items()}
