@@ -43,7 +43,8 @@ def accuracy_table(files: list[dict[str, Any]]) -> str:
     for (split, method), rows in sorted(groups.items(), key=lambda item: item[0][0]):
         commits = sorted({r["commit"][:7] for r in rows})
         lines.append(
-            f"| {split} | {method} | {len(rows)} | {rows[0]['rounds']} "
+            f"| {split} | {method} | {len(rows)} "
+            f"| {', '.join(str(r) for r in sorted({r['rounds'] for r in rows}))} "
             f"| {_mean_std([r['test_acc_at_best_val'] for r in rows])} "
             f"| {_mean_std([r['test_acc_weighted_at_best_val'] for r in rows])} "
             f"| {_mean_std([r['test_acc_last'] for r in rows])} "
