@@ -39,10 +39,6 @@ from lightning_pfl.graphs import CudaGraphRecorder, RoundGraphs
 from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
 from lightning_pfl.reporting import per_client_figure, report_partition
-
-if TYPE_CHECKING:
-    from lightning_pfl.assignment import NetworkGroups
-
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -53,6 +49,9 @@ from lightning_pfl.validation import (
     Seed,
     check_arguments,
 )
+
+if TYPE_CHECKING:
+    from lightning_pfl.assignment import NetworkGroups
 
 INIT_STREAM, CLIENT_STREAM, BATCH_STREAM, SERVER_INIT_STREAM, DROPOUT_STREAM = 0, 1, 2, 3, 4
 

@@ -107,6 +107,7 @@ class MHPFedHN(FederatedMethod):
             with the running statistics of its last local training, which belong to the weights
             it trained, not to the ones generated since (the paper does not say which; on our
             FashionMNIST setting the stale statistics cost the generated ResNet-10 ~30 points).
+        hn_lr: Adam learning rate of phi and the embeddings (paper: 2e-4).
         hn_weight_decay: Adam weight decay.
         hn_max_grad_norm: clip of the server gradient norm (paper: 50; None: off).
         local_lr, local_momentum, local_weight_decay, local_epochs, batch_size: client SGD
@@ -401,8 +402,10 @@ class MHPFedHN(FederatedMethod):
         generator.manual_seed(derive_seed(self.hp.seed, RECALIBRATION_STREAM))
         batches = self.data.client_batches(clients, self.hp.batch_size, generator, epochs=1)
         statistics = vmap(arch.batch_statistics, randomness="different")
-        zeros = {n: torch.zeros(len(clients), *shape) for n, shape in arch.buffer_shapes.items()}
-        sums = {n: t.to(self.device) for n, t in zeros.items()}
+        sums = {
+            n: torch.zeros(len(clients), *shape, device=self.device)
+            for n, shape in arch.buffer_shapes.items()
+        }
         active = batches.active.float()
         for step in range(active.shape[1]):
             x, _ = self.data.fetch(batches.index[:, step])
