@@ -94,3 +94,6 @@ def test_accuracy_rows_keep_each_client_groups_accuracy_and_the_report_averages_
     table = report.group_table([{"rows": rows}])
     assert "| pathological | mh | 2 | arch_cnn 80.00 ± 10.00, arch_res 50.00 ± 0.00 |" in table
     assert report.group_table([{"rows": [{**rows[0], "test_group_acc_at_best_val": {}}]}]) == ""
+    # seeds of different lengths are shown as such, not averaged as if they were one protocol
+    mixed = report.accuracy_table([{"rows": [rows[0], {**rows[1], "rounds": 150}]}])
+    assert "| pathological | mh | 2 | 2, 150 |" in mixed
