@@ -43,6 +43,13 @@ def split_prefixed(params: Params, *prefixes: str) -> tuple[Params, ...]:
     )
 
 
+def client_mean(stacked: Tensor, weights: Tensor) -> Tensor:
+    """``sum_i weights_i * stacked[i]`` over the leading client dimension, accumulated in float64
+    so that the average of many clients does not depend on their order."""
+    w = weights.to(stacked.device, torch.float64).view(-1, *([1] * (stacked.dim() - 1)))
+    return (w * stacked.double()).sum(0)
+
+
 def drop_batch_counters(net: nn.Module) -> nn.Module:
     """Remove batch norm's integer ``num_batches_tracked`` (unused with a momentum), in place.
 

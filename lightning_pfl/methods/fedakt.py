@@ -11,6 +11,7 @@ from lightning_pfl.engine import (
     Architecture,
     LossFn,
     Params,
+    client_mean,
     drop_batch_counters,
     weighted_cross_entropy,
 )
@@ -136,9 +137,8 @@ class FedAKT(HeterogeneousModels):
             for n in trained:
                 trained[n][rows] = result.params[f"adapter.{n}"]
             losses[rows] = result.loss
-        weights = self.client_weights(clients).view(-1, 1)
+        weights = self.client_weights(clients)
         for n in trained:
-            mean = (weights * trained[n].flatten(1).double()).sum(0).view_as(state[n])
-            state[n].grad = state[n].detach() - mean.to(state[n].dtype)
+            state[n].grad = state[n].detach() - client_mean(trained[n], weights).to(state[n].dtype)
         self.record_communication(down=sent, up=trained)
         return losses

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import Params, TrainResult, drop_batch_counters
+from lightning_pfl.engine import Params, TrainResult, client_mean, drop_batch_counters
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import build_network
 from lightning_pfl.validation import Momentum, PositiveFloat
@@ -103,18 +103,13 @@ class FedAvg(FederatedMethod):
         shared buffers are set to the weighted mean."""
         for name, p in self.net.named_parameters():
             if name in trained:
-                p.grad = p.detach() - _weighted_mean(trained[name], weights).to(p.dtype)
+                p.grad = p.detach() - client_mean(trained[name], weights).to(p.dtype)
         for name, b in self.net.named_buffers():
             if name in trained:
-                b.copy_(_weighted_mean(trained[name], weights))
+                b.copy_(client_mean(trained[name], weights))
 
     def personalized_params(self, clients: Tensor) -> Params:
         params = self.payload(clients)
         if self.personal_names():
             params |= self.store.gather("personal", clients, self.device)
         return params
-
-
-def _weighted_mean(stacked: Tensor, weights: Tensor) -> Tensor:
-    w = weights.to(stacked.device, torch.float64).view(-1, *([1] * (stacked.dim() - 1)))
-    return (w * stacked.double()).sum(0)

@@ -13,12 +13,13 @@ from torch.func import functional_call
 from lightning_pfl.engine import (
     Params,
     TrainResult,
+    client_mean,
     prefixed,
     split_prefixed,
     weighted_cross_entropy,
 )
 from lightning_pfl.losses import weighted_mean
-from lightning_pfl.methods.fedavg import FedAvg, _weighted_mean
+from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat, PositiveInt
 
 PROJ = "projection."
@@ -89,7 +90,7 @@ class MOON(FedAvg):
     def aggregate(self, trained: Params, weights: Tensor) -> None:
         super().aggregate(trained, weights)
         for name, p in self.projection.named_parameters():
-            p.grad = p.detach() - _weighted_mean(trained[PROJ + name], weights).to(p.dtype)
+            p.grad = p.detach() - client_mean(trained[PROJ + name], weights).to(p.dtype)
 
     def represent(self, params: Params, x: Tensor, train: bool = False) -> tuple[Tensor, Tensor]:
         """Projected representation z and logits of one model (net and projection tensors)."""
