@@ -1,20 +1,22 @@
 """Render the committed benchmark JSON files as the markdown tables of docs/.
 
 python -m benchmarks.report benchmarks/results/digits          # a folder: one file per method
+python -m benchmarks.report benchmarks/results/digits --compare-rounds 150   # + method x split
 python -m benchmarks.report benchmarks/results/speed_cpu.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 
-def _mean_std(values: list[float | None]) -> str:
+def _mean_std(values: Sequence[float | None]) -> str:
     present = [100 * v for v in values if v is not None]
     if not present:
         return "-"
@@ -79,6 +81,41 @@ def group_table(files: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def comparison_table(
+    files: list[dict[str, Any]], rounds: int, references: tuple[str, ...] = ("fedavg", "local")
+) -> str:
+    """One line per method, one column group per split, over the rows run for ``rounds`` rounds:
+    test accuracy at the best validation round (mean over clients; mean ± std over seeds, the
+    number of seeds in brackets) and its difference in points to each reference method's mean
+    over its own seeds at the same rounds ("-" where either has no row)."""
+    accuracy: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for result in files:
+        for row in result["rows"]:
+            if row["rounds"] == rounds:
+                accuracy[(row["method"], row["split"])].append(row["test_acc_at_best_val"])
+    splits = sorted({split for _, split in accuracy})
+    methods = sorted({method for method, _ in accuracy})
+    header, rule = "| method |", "|---|"
+    for split in splits:
+        header += f" {split} (%) |" + "".join(f" vs {r} |" for r in references)
+        rule += "---|" * (1 + len(references))
+    lines = [header, rule]
+    for method in methods:
+        line = f"| {method} |"
+        for split in splits:
+            values = accuracy.get((method, split), [])
+            line += f" {_mean_std(values)} ({len(values)}) |" if values else " - |"
+            for reference in references:
+                base = accuracy.get((reference, split), [])
+                if values and base and method != reference:
+                    difference = 100 * (statistics.mean(values) - statistics.mean(base))
+                    line += f" {difference:+.2f} |"
+                else:
+                    line += " - |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def _ratio(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
@@ -123,8 +160,16 @@ def speed_table(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    for argument in sys.argv[1:]:
-        path = Path(argument)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="result folders or speed JSON files")
+    parser.add_argument(
+        "--compare-rounds",
+        type=int,
+        help="also print, for a folder, the method x split table of the rows run for this many "
+        "rounds, with each method's difference to FedAvg and to Local",
+    )
+    args = parser.parse_args()
+    for path in args.paths:
         if path.is_dir():
             files = [json.loads(p.read_text()) for p in sorted(path.glob("*.json"))]
             print(f"### `{path}` ({len(files)} methods)\n")
@@ -132,6 +177,9 @@ def main() -> None:
             print()
             if groups := group_table(files):
                 print(groups)
+                print()
+            if args.compare_rounds is not None:
+                print(comparison_table(files, args.compare_rounds))
                 print()
             continue
         result = json.loads(path.read_text())

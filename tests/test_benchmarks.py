@@ -97,3 +97,26 @@ def test_accuracy_rows_keep_each_client_groups_accuracy_and_the_report_averages_
     # seeds of different lengths are shown as such, not averaged as if they were one protocol
     mixed = report.accuracy_table([{"rows": [rows[0], {**rows[1], "rounds": 150}]}])
     assert "| pathological | mh | 2 | 2, 150 |" in mixed
+
+
+def test_comparison_table_lists_methods_by_split_with_differences_to_the_references() -> None:
+    def row(method: str, split: str, seed: int, acc: float, rounds: int = 150) -> dict:
+        return {"method": method, "split": split, "seed": seed, "rounds": rounds,
+                "test_acc_at_best_val": acc}  # fmt: skip
+
+    rows = [
+        row("fedavg", "dirichlet", 0, 0.90),
+        row("fedavg", "dirichlet", 1, 0.94),
+        row("local", "dirichlet", 0, 0.80),
+        row("ditto", "dirichlet", 0, 0.95),
+        row("ditto", "dirichlet", 1, 0.97),
+        row("ditto", "pathological", 0, 0.99),
+        row("ditto", "pathological", 1, 0.10, rounds=30),  # another protocol: left out
+    ]
+    table = report.comparison_table([{"rows": rows}], rounds=150)
+    lines = table.splitlines()
+    references = "| vs fedavg | vs local |"
+    assert lines[0] == f"| method | dirichlet (%) {references} pathological (%) {references}"
+    assert "| ditto | 96.00 ± 1.00 (2) | +4.00 | +16.00 | 99.00 (1) | - | - |" in lines
+    assert "| fedavg | 92.00 ± 2.00 (2) | - | +12.00 | - | - | - |" in lines
+    assert "| local | 80.00 (1) | -12.00 | - | - | - | - |" in lines
