@@ -328,7 +328,7 @@ def test_gd_personal_loss_mixes_cross_entropy_and_distillation() -> None:
     ce = F.cross_entropy(logits[:4], y[:4])
     p_t = F.softmax(target[:4] / 3, -1)
     kl = (p_t * (p_t.log() - F.log_softmax(logits[:4] / 3, -1))).sum(-1).mean()
-    torch.testing.assert_close(value, 0.25 * ce + 0.75 * 9 * kl)
+    torch.testing.assert_close(value, 0.75 * ce + 0.25 * 9 * kl)
 
 
 @pytest.mark.parametrize("cls", [MHPFedHN, MHPFedHNGD])
@@ -533,7 +533,7 @@ def test_clients_without_the_global_model_use_plain_cross_entropy() -> None:
     ):
         assert torch.equal(g, h)
     holding = loss(student, {**frozen, HOLDS: torch.tensor(True)}, x, y, w)
-    torch.testing.assert_close(holding, loss(student, frozen, x, y, w))  # lambda CE + ... KL
+    torch.testing.assert_close(holding, loss(student, frozen, x, y, w))  # (1 - lambda) CE + ...
 
 
 def test_a_round_without_holders_takes_no_global_step() -> None:
