@@ -222,11 +222,15 @@ def test_mapper_gate_gradient_matches_the_closed_form() -> None:
     x, y = dm.fetch(dm.index["train"].flat[:8])
     w = torch.tensor([1.0] * 6 + [0.0] * 2)  # two padding samples
     a = torch.tensor(0.7)
-    params = {f"global.{n}": t for n, t in glob.items()} | {
+    # the copy of the global model being trained differs from the received one: the mixture
+    # must use the received model (fixed for the round, the one evaluation mixes with)
+    trained_copy = {n: t + 0.3 for n, t in glob.items()}
+    params = {f"global.{n}": t for n, t in trained_copy.items()} | {
         f"local.{n}": t for n, t in local.items()
     }
     params["gate"] = a
-    autograd = grad(method.mapper_loss)(params, {}, x, y, w)["gate"]
+    received = {f"received.{n}": t for n, t in glob.items()}
+    autograd = grad(method.mapper_loss)(params, received, x, y, w)["gate"]
     lam = torch.sigmoid(a)
     p_local = torch.softmax(method.arch(local, x), -1)[torch.arange(8), y]
     p_global = torch.softmax(method.arch(glob, x), -1)[torch.arange(8), y]
@@ -236,6 +240,7 @@ def test_mapper_gate_gradient_matches_the_closed_form() -> None:
     torch.testing.assert_close(autograd, closed, rtol=1e-4, atol=1e-6)
     assert abs(float(closed)) > 1e-4
     # the prediction is the mixture of probabilities
+    params |= {f"global.{n}": t for n, t in glob.items()}
     predicted = method.predict(params, x).exp()
     expected = lam * torch.softmax(method.arch(local, x), -1) + (1 - lam) * torch.softmax(
         method.arch(glob, x), -1
@@ -251,11 +256,33 @@ def test_mapper_global_model_ignores_the_mixture() -> None:
     params["gate"] = torch.tensor(0.3)
     x, y = dm.fetch(dm.index["train"].flat[:8])
     w = torch.ones(8)
-    g = grad(method.mapper_loss)(params, {}, x, y, w)
+    received = {f"received.{n}": t * 0.8 for n, t in method.arch.initial_params().items()}
+    g = grad(method.mapper_loss)(params, received, x, y, w)
     glob = {n[7:]: t for n, t in params.items() if n.startswith("global.")}
     ce = grad(lambda p: torch.nn.functional.cross_entropy(method.arch(p, x), y))(glob)
     for n, t in ce.items():
         torch.testing.assert_close(g[f"global.{n}"], t, rtol=1e-4, atol=1e-6)
+
+
+def test_mapper_mixture_does_not_depend_on_the_trained_global_copy() -> None:
+    dm = digits_data(4)
+    method = build(MAPPER, dm)
+    init = method.arch.initial_params()
+    received = {f"received.{n}": t for n, t in init.items()}
+    params = {f"local.{n}": t * 0.5 for n, t in init.items()} | {"gate": torch.tensor(0.3)}
+    x, y = dm.fetch(dm.index["train"].flat[:8])
+    w = torch.ones(8)
+    grads = [
+        grad(method.mapper_loss)(
+            params | {f"global.{n}": t + shift for n, t in init.items()}, received, x, y, w
+        )
+        for shift in (0.0, 0.5)
+    ]
+    for name in [n for n in params if not n.startswith("global.")]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0)
+    assert any(
+        not torch.equal(grads[0][n], grads[1][n]) for n in grads[0] if n.startswith("global.")
+    )
 
 
 def test_mapper_vectorized_equals_sequential() -> None:

@@ -21,6 +21,8 @@ from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import PositiveFloat, UnitInterval
 
+RECEIVED = "received"
+
 
 def mixture_log_probs(local_logits: Tensor, global_logits: Tensor, gate: Tensor) -> Tensor:
     """``log(lambda p_local + (1 - lambda) p_global)`` with ``lambda = sigmoid(gate)``."""
@@ -37,12 +39,16 @@ class MAPPER(FedAvg):
     The gate is the paper's one scalar lambda per client (no gating network on the input),
     parameterized as ``lambda = sigmoid(a)`` so that it stays in [0, 1] (the paper projects
     onto [0, 1]); a starts at 0 (lambda = 0.5). Round for a sampled client: it receives the
-    global model and, at every local step on the same batch, trains the global model on its
-    cross-entropy (FedAvg) and its local model and a on the mixture's negative
-    log-likelihood with the global prediction fixed. The paper learns the local model and
-    lambda after FedAvg has trained the global model; here they are learned alongside it, so
-    that every round's evaluation is a MAPPER prediction. The local model and a stay on the
-    client; the global model is uploaded and averaged. The personalized model is the mixture.
+    global model h_G and, at every local step on the same batch, trains a copy of h_G on its
+    cross-entropy (FedAvg) and its local model and a on the negative log-likelihood of the
+    mixture with the received h_G, which stays fixed for the round. The paper learns the local
+    model and lambda after FedAvg has trained the global model; here they are learned alongside
+    it, so that every round's evaluation is a MAPPER prediction. Mixing with the received h_G
+    (not the copy being trained, which fits the client's data within the round) keeps the
+    training mixture the one evaluated: against the trained copy, lambda learns to trust a
+    global model that the client never predicts with. The local model and a stay on the
+    client; the trained copy of h_G is uploaded and averaged. The personalized model is the
+    mixture.
 
     Args:
         gate_lr: SGD learning rate of a (None: ``local_lr``); the gate has no weight decay.
@@ -67,11 +73,12 @@ class MAPPER(FedAvg):
     def mapper_loss(
         self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor:
-        """CE of the global model + NLL of the mixture (global prediction detached)."""
+        """CE of the global model + NLL of the mixture with the received global model."""
         glob, local = split_prefixed(params, "global", "local")
         global_logits = self.arch(glob, x, train=True)
+        received_logits = self.arch(split_prefixed(frozen, RECEIVED)[0], x, train=True)
         local_logits = self.arch(local, x, train=True)
-        mixed = mixture_log_probs(local_logits, global_logits.detach(), params["gate"])
+        mixed = mixture_log_probs(local_logits, received_logits, params["gate"])
         nll = weighted_mean(F.nll_loss(mixed, y, reduction="none"), w)
         return weighted_cross_entropy(global_logits, y, w) + nll
 
@@ -86,7 +93,8 @@ class MAPPER(FedAvg):
             ParamGroup(tuple(prefixed("local", local)), self.local_sgd()),
             ParamGroup(("gate",), gate_sgd),
         ]
-        result = self.local_train(params, clients, round_idx, groups, self.loss_fn)
+        received = {n: t.detach().clone() for n, t in prefixed(RECEIVED, start).items()}
+        result = self.local_train(params, clients, round_idx, groups, self.loss_fn, received)
         glob, local = split_prefixed(result.params, "global", "local")
         self.store.scatter("local", clients, local)
         self.store.scatter("gate", clients, {"gate": result.params["gate"]})
