@@ -139,6 +139,7 @@ def summarize(
         "rounds": result["rounds"],
         "best_round": result["best_round"],
         "select_metric": result["select_metric"],
+        "val_acc_at_best": (result.get("val_at_best") or {}).get("acc"),
         "test_acc_at_best_val": best.get("acc"),
         "test_acc_weighted_at_best_val": best.get("acc_weighted"),
         "test_acc_last": last.get("acc"),

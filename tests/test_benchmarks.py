@@ -81,6 +81,7 @@ def test_accuracy_rows_keep_each_client_groups_accuracy_and_the_report_averages_
             "rounds": 2,
             "best_round": 2,
             "select_metric": "acc",
+            "val_at_best": {"acc": 0.85},
             "test_at_best_val": test,
             "test_last": test,
             "seconds_per_round": 1.0,
@@ -91,6 +92,7 @@ def test_accuracy_rows_keep_each_client_groups_accuracy_and_the_report_averages_
 
     rows = [summarize("mh", "pathological", s, result(a), "abc") for s, a in ((0, 0.9), (1, 0.7))]
     assert rows[0]["test_group_acc_at_best_val"] == {"arch_cnn": 0.9, "arch_res": 0.5}
+    assert rows[0]["val_acc_at_best"] == 0.85  # the accuracy the best round was chosen by
     table = report.group_table([{"rows": rows}])
     assert "| pathological | mh | 2 | arch_cnn 80.00 ± 10.00, arch_res 50.00 ± 0.00 |" in table
     assert report.group_table([{"rows": [{**rows[0], "test_group_acc_at_best_val": {}}]}]) == ""
