@@ -178,7 +178,7 @@ def test_pfedla_hypernetwork_gradient_is_gradient_of_surrogate() -> None:
 
 def test_pfedla_default_hn_lr_personalizes_the_deepest_layer() -> None:
     """At the default ``hn_lr`` the weights leave uniform (1/N) within a few rounds, most in
-    the last layer; at FL-bench's 5e-3 they stayed within 0.03 of it here (FedAvg-like)."""
+    the last layer; at FL-bench's 5e-3 they stayed within 0.035 of it here (FedAvg-like)."""
     dm = digits_data(4)
     method = build(PFedLA, dm, clients_per_round=4)
     assert isinstance(method, PFedLA)

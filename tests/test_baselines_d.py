@@ -229,7 +229,7 @@ def test_mapper_gate_gradient_matches_the_closed_form() -> None:
         f"local.{n}": t for n, t in local.items()
     }
     params["gate"] = a
-    received = {f"received.{n}": t for n, t in glob.items()}
+    received = {f"anchor.{n}": t for n, t in glob.items()}
     autograd = grad(method.mapper_loss)(params, received, x, y, w)["gate"]
     lam = torch.sigmoid(a)
     p_local = torch.softmax(method.arch(local, x), -1)[torch.arange(8), y]
@@ -256,7 +256,7 @@ def test_mapper_global_model_ignores_the_mixture() -> None:
     params["gate"] = torch.tensor(0.3)
     x, y = dm.fetch(dm.index["train"].flat[:8])
     w = torch.ones(8)
-    received = {f"received.{n}": t * 0.8 for n, t in method.arch.initial_params().items()}
+    received = {f"anchor.{n}": t * 0.8 for n, t in method.arch.initial_params().items()}
     g = grad(method.mapper_loss)(params, received, x, y, w)
     glob = {n[7:]: t for n, t in params.items() if n.startswith("global.")}
     ce = grad(lambda p: torch.nn.functional.cross_entropy(method.arch(p, x), y))(glob)
@@ -268,7 +268,7 @@ def test_mapper_mixture_does_not_depend_on_the_trained_global_copy() -> None:
     dm = digits_data(4)
     method = build(MAPPER, dm)
     init = method.arch.initial_params()
-    received = {f"received.{n}": t for n, t in init.items()}
+    received = {f"anchor.{n}": t for n, t in init.items()}
     params = {f"local.{n}": t * 0.5 for n, t in init.items()} | {"gate": torch.tensor(0.3)}
     x, y = dm.fetch(dm.index["train"].flat[:8])
     w = torch.ones(8)

@@ -19,9 +19,8 @@ from lightning_pfl.engine import (
 )
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.methods.fedprox import ANCHOR, anchor
 from lightning_pfl.validation import PositiveFloat, UnitInterval
-
-RECEIVED = "received"
 
 
 def mixture_log_probs(local_logits: Tensor, global_logits: Tensor, gate: Tensor) -> Tensor:
@@ -76,7 +75,8 @@ class MAPPER(FedAvg):
         """CE of the global model + NLL of the mixture with the received global model."""
         glob, local = split_prefixed(params, "global", "local")
         global_logits = self.arch(glob, x, train=True)
-        received_logits = self.arch(split_prefixed(frozen, RECEIVED)[0], x, train=True)
+        received = split_prefixed(frozen, ANCHOR.rstrip("."))[0]
+        received_logits = self.arch(received, x, train=True)
         local_logits = self.arch(local, x, train=True)
         mixed = mixture_log_probs(local_logits, received_logits, params["gate"])
         nll = weighted_mean(F.nll_loss(mixed, y, reduction="none"), w)
@@ -93,7 +93,7 @@ class MAPPER(FedAvg):
             ParamGroup(tuple(prefixed("local", local)), self.local_sgd()),
             ParamGroup(("gate",), gate_sgd),
         ]
-        received = {n: t.detach().clone() for n, t in prefixed(RECEIVED, start).items()}
+        received = anchor(start, tuple(start))
         result = self.local_train(params, clients, round_idx, groups, self.loss_fn, received)
         glob, local = split_prefixed(result.params, "global", "local")
         self.store.scatter("local", clients, local)

@@ -62,8 +62,8 @@ class PFedLA(FederatedMethod):
         embed_dim: client embedding size (FL-bench's pFedLA: 100).
         hidden_dim: hypernetwork width (FL-bench's pFedLA: 100).
         hn_lr: server learning rate of the hypernetworks. FL-bench's pFedLA uses 5e-3 for its
-            ReLU-normalized weights; with the softmax here, 5e-3 left every weight within
-            0.07-0.16 of uniform (0.1) after 150 digits rounds, an average of all clients
+            ReLU-normalized weights; with the softmax here, 5e-3 left every weight between
+            0.065 and 0.158 (uniform: 0.1) after 150 digits rounds, an average of all clients
             (FedAvg-like). 5e-2 was chosen on digits validation accuracy (5e-3, 5e-2, 5e-1, 5).
         hn_momentum: server SGD momentum.
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
