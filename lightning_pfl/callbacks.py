@@ -13,7 +13,7 @@ from typing import Any
 from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_pfl.errors import ConfigError, RunInterrupted
+from lightning_pfl.errors import ConfigError, NonFiniteLossError, RunInterrupted
 from lightning_pfl.novel import NovelClients
 from lightning_pfl.validation import NonNegativeInt, PositiveFloat
 
@@ -59,6 +59,11 @@ class RoundCheckpoint(ModelCheckpoint):
                     f"checkpoint.{lightning_schedule} saves before the round's validation; use "
                     "checkpoint.every_n_rounds / checkpoint.every_minutes instead."
                 )
+        if kwargs.get("save_on_exception"):
+            raise ConfigError(
+                "checkpoint.save_on_exception would save a round half done; checkpoints are "
+                "saved at round boundaries (also on SIGINT/SIGTERM): remove it."
+            )
         kwargs.setdefault("save_last", True)
         kwargs.setdefault("save_top_k", 0)
         kwargs["enable_version_counter"] = False  # last.ckpt is replaced, never last-v1.ckpt
@@ -69,6 +74,7 @@ class RoundCheckpoint(ModelCheckpoint):
         self._signal: int | None = None
         self._save_after_validation = False
         self._previous_handlers: dict[int, Any] = {}
+        self.resume_point = ("", 0)  # the newest intact checkpoint and its round
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.save_top_k != 0:
@@ -89,6 +95,8 @@ class RoundCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._last_save_time = time.monotonic()
+        if trainer.ckpt_path:
+            self.resume_point = (str(trainer.ckpt_path), trainer.global_step)
         try:
             for signum in STOP_SIGNALS:
                 self._previous_handlers[signum] = signal.signal(signum, self._handle)
@@ -107,6 +115,8 @@ class RoundCheckpoint(ModelCheckpoint):
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
         self._restore_handlers()
+        if isinstance(exception, NonFiniteLossError):
+            exception.resume_from = self.resume_point  # the failed round itself is not saved
 
     # ------------------------------------------------------------------ saving
     def on_train_batch_end(
@@ -168,6 +178,7 @@ class RoundCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier()
         self._last_checkpoint_saved = filepath
         self._last_save_time = time.monotonic()
+        self.resume_point = (filepath, trainer.global_step)
 
 
 def _validates_after(trainer: Trainer) -> bool:

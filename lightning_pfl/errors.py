@@ -22,7 +22,25 @@ class DatasetError(PFLError, OSError):
 
 
 class NonFiniteLossError(PFLError, FloatingPointError):
-    """A client's local training loss became NaN or infinite."""
+    """A client's local training loss became NaN or infinite.
+
+    :class:`~lightning_pfl.callbacks.RoundCheckpoint` adds where the run can continue from
+    (``resume_from``: the last checkpoint and its round), since the failed round is not saved.
+    """
+
+    resume_from: tuple[str, int] | None = None
+
+    def __str__(self) -> str:
+        if self.resume_from is None:
+            return super().__str__()
+        path, round_idx = self.resume_from
+        if not path:
+            return f"{super().__str__()} No checkpoint was saved before this round."
+        return (
+            f"{super().__str__()} The last checkpoint, {path} (after round {round_idx}), is "
+            f"intact: continue from it with the changed setting by adding --ckpt_path {path} "
+            "--allow_changes=[<the key you changed>]."
+        )
 
 
 class RunInterrupted(PFLError):

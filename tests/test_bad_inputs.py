@@ -69,6 +69,7 @@ CASES = [
     (FEDAVG, ["--checkpoint.every_n_rounds=-1"], "checkpoint.every_n_rounds"),
     (FEDAVG, ["--checkpoint.every_minutes=0"], "checkpoint.every_minutes"),
     (FEDAVG, ["--checkpoint.every_n_train_steps=5"], "checkpoint.every_n_rounds"),
+    (FEDAVG, ["--checkpoint.save_on_exception=true"], "checkpoint.save_on_exception"),
     (FEDAVG, ["--ckpt_path=/nonexistent/last.ckpt"], "--ckpt_path"),
     (FEDAVG, ["--ckpt_path=last"], "--ckpt_path last"),
 ]

@@ -53,13 +53,29 @@ def test_fp16_is_refused_and_bf16_runs(tmp_path: Path) -> None:
 
 def test_nan_loss_stops_with_a_message(tmp_path: Path) -> None:
     config = CONF / "fedavg.yaml"
-    with pytest.raises(FloatingPointError, match="lower model.init_args.local_lr"):
+    with pytest.raises(FloatingPointError, match="lower model.init_args.local_lr") as stopped:
         cli(
             config,
             tmp_path,
             "--model.init_args.local_lr=1e12",
             "--model.init_args.local_max_grad_norm=null",
         )
+    assert "No checkpoint was saved before this round" in str(stopped.value)
+
+
+def test_nan_loss_keeps_the_last_checkpoint_and_says_how_to_continue(tmp_path: Path) -> None:
+    config = CONF / "fedavg.yaml"
+    cli(config, tmp_path, "--trainer.max_steps=4", "--test_after_fit=false")
+    ckpt = run_dir(tmp_path, config) / "checkpoints" / "last.ckpt"
+    saved = ckpt.read_bytes()
+    diverging = ["--model.init_args.local_lr=1e12", "--model.init_args.local_max_grad_norm=null"]
+    allow = "--allow_changes=[model.init_args.local_lr,model.init_args.local_max_grad_norm]"
+    with pytest.raises(FloatingPointError, match="round 4") as stopped:
+        cli(config, tmp_path, "--trainer.max_steps=8", "--ckpt_path=last", *diverging, allow)
+    assert f"The last checkpoint, {ckpt} (after round 4), is intact" in str(stopped.value)
+    assert ckpt.read_bytes() == saved
+    resumed = cli(config, tmp_path, "--trainer.max_steps=8", f"--ckpt_path={ckpt}", allow)
+    assert resumed["rounds"] == 8
 
 
 def test_impossible_split_fails_early(tmp_path: Path) -> None:
