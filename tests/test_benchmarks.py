@@ -122,3 +122,25 @@ def test_comparison_table_lists_methods_by_split_with_differences_to_the_referen
     assert "| ditto | 96.00 ± 1.00 (2) | +4.00 | +16.00 | 99.00 (1) | - | - |" in lines
     assert "| fedavg | 92.00 ± 2.00 (2) | - | +12.00 | - | - | - |" in lines
     assert "| local | 80.00 (1) | -12.00 | - | - | - | - |" in lines
+
+
+def test_methods_table_has_a_row_per_digits_result_with_bytes_per_sampled_client_round() -> None:
+    """docs/methods.md's table: every committed digits config, (down + up) / (rounds x clients)."""
+    from benchmarks import methods_table
+
+    repo = Path(__file__).resolve().parents[1]
+    results, configs = repo / "benchmarks/results/digits", repo / "configs/digits"
+    lines = methods_table.render(results, configs).splitlines()
+    assert lines[0] == methods_table.HEADER
+    rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ") for line in lines[2:]}
+    assert sorted(rows) == sorted(p.stem for p in results.glob("*.json"))
+    for name, cells in rows.items():
+        row = methods_table.seed_row(json.loads((results / f"{name}.json").read_text()))
+        assert (row["split"], row["seed"]) == ("pathological", 0)
+        clients = int(cells[2])
+        assert cells[3] == str(row["rounds"])
+        assert cells[4] == f"{round(row['comm_bytes_total'] / (row['rounds'] * clients)):,}"
+    assert rows["fedavg"][2:5] == ["5", "150", "109,648"]
+    # the formula on a hand-made row: 3,000 bytes over 2 rounds of 3 clients
+    row = {"class": "X", "rounds": 2, "comm_bytes_total": 3000.0}
+    assert methods_table.table_row("x", row, 3, "t") == "| x | `X` | 3 | 2 | 500 | t |"
