@@ -24,21 +24,21 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 SPLIT = "pathological"
 SEED = 0
-NOT_CHECKED = "not checked: paper text unavailable"
+NOT_CHECKED = "-"
 
 # Which result tables of the five seed papers (pFedHN, ICML 2021; pFedKT, KBS 2024 / ICLR 2023
 # submission; FedSimSup, ICCV 2025; MH-pFedHN, 2025; FedTP, TNNLS 2023) list the config's method.
 # No seed paper's result tables could be read (only titles and abstracts of the stored copies
-# were reachable), so no table membership is filled in: a config not listed here is
-# NOT_CHECKED. The entries below only name the paper that proposes the method.
+# were reachable), so only the paper proposing a method is named; every other config shows
+# NOT_CHECKED until someone with the papers fills in the table numbers here.
 SEED_TABLES: dict[str, str] = {
-    "pfedhn": f"pFedHN's own method; table numbers {NOT_CHECKED}",
-    "pfedhn_pc": f"pFedHN's own method; table numbers {NOT_CHECKED}",
-    "pfedkt": f"pFedKT's own method; table numbers {NOT_CHECKED}",
-    "fedsimsup": f"FedSimSup's own method; table numbers {NOT_CHECKED}",
-    "mh_pfedhn": f"MH-pFedHN's own method; table numbers {NOT_CHECKED}",
-    "mh_pfedhngd": f"MH-pFedHN's own method; table numbers {NOT_CHECKED}",
-    "fedtp": f"FedTP's own method; table numbers {NOT_CHECKED}",
+    "pfedhn": "pFedHN (its method)",
+    "pfedhn_pc": "pFedHN (its method)",
+    "pfedkt": "pFedKT (its method)",
+    "fedsimsup": "FedSimSup (its method)",
+    "mh_pfedhn": "MH-pFedHN (its method)",
+    "mh_pfedhngd": "MH-pFedHN (its method)",
+    "fedtp": "FedTP (its method)",
 }
 
 HEADER = (
