@@ -18,12 +18,13 @@ from lightning_pfl.methods import (
     Local,
     PeFLL,
     PFedGP,
+    PFedHN,
     PFedLHN,
 )
 from lightning_pfl.methods.fedgh import train_header
 from lightning_pfl.methods.pfedgp import gp_negative_log_likelihood, gp_posterior_mean
 from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork
-from tests.conftest import build, digits_data
+from tests.conftest import build, digits_data, fit
 from tests.helpers import (
     CONF,
     assert_resume_is_exact,
@@ -223,6 +224,76 @@ def test_pefll_gradient_flows_through_the_descriptor_into_the_embedding_network(
 
 def test_pefll_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(PeFLL)
+
+
+def client_spread(params: dict[str, torch.Tensor]) -> float:
+    """How much generated weight matrices differ between clients: RMS over entries of their
+    standard deviation across clients over the RMS of their mean, averaged over matrices."""
+    ratios = [
+        t.std(0).pow(2).mean().sqrt() / t.mean(0).pow(2).mean().sqrt()
+        for t in params.values()
+        if t.dim() > 2
+    ]
+    return float(torch.stack(ratios).mean())
+
+
+def test_pefll_models_differ_between_clients_as_much_as_pfedhns() -> None:
+    # The hypernetwork is calibrated on standard normal inputs (pFedHN's embeddings). Raw mean
+    # embeddings of 2-class clients lie about 30 times closer together than that, so every
+    # client got (nearly) the same model (spread 0.007 against pFedHN's 0.2) and stayed so in
+    # training; standardized descriptors restore pFedHN's spread.
+    dm = digits_data(6)
+    spread = {}
+    for cls in (PeFLL, PFedHN):
+        method = build(cls, dm, clients_per_round=3)
+        fit(method, dm, rounds=1)
+        with torch.no_grad():
+            spread[cls] = client_spread(method.personalized_params(torch.arange(6)))
+    assert spread[PeFLL] > 0.5 * spread[PFedHN], spread
+
+
+@pytest.mark.parametrize("optimizer, power", [("sgd", 2), ("adam", 1)])
+def test_pefll_calibration_standardizes_descriptors_and_rescales_psis_rate(
+    optimizer: str, power: int
+) -> None:
+    dm = digits_data(6)
+    method = build(PeFLL, dm, hn_optimizer=optimizer, hn_lr=0.03, embed_lr=0.02)
+    assert isinstance(method, PeFLL)
+    method.configure_optimizers()
+    raw = method.mean_embeddings(torch.arange(6))
+    before = method.comm_bytes_total.clone()
+    method.calibrate_descriptors()
+    method.calibrate_descriptors()  # idempotent: the rate is set from embed_lr, not compounded
+    embedder = method.network.embedder
+    v = embedder.standardize(raw)
+    torch.testing.assert_close(v.mean(0), torch.zeros(v.shape[1]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(v.pow(2).mean(), torch.tensor(1.0))
+    assert float(embedder.scale) < 0.2  # raw descriptors are far less spread than N(0, I)
+    rates = [g["lr"] for g in method.server_optimizer.param_groups]
+    assert rates == pytest.approx([0.03, 0.02 * float(embedder.scale) ** power])
+    # each client received psi and sent its d numbers, twice here
+    sent = method.comm_bytes_total - before
+    assert float(sent[1]) == 2 * 6 * v.shape[1] * 4
+    # the personalized model reads the standardized full-data descriptor
+    models = method.personalized_params(torch.arange(6))
+    expected = method.network.generate(v)
+    for n in models:
+        torch.testing.assert_close(models[n], expected[n])
+
+
+def test_pefll_without_standardization_reads_raw_mean_embeddings() -> None:
+    dm = digits_data(6)
+    method = build(PeFLL, dm, standardize_descriptors=False)
+    assert isinstance(method, PeFLL)
+    method.configure_optimizers()
+    method.calibrate_descriptors()
+    embedder = method.network.embedder
+    assert float(embedder.scale) == 1.0 and not embedder.shift.any()
+    assert [g["lr"] for g in method.server_optimizer.param_groups] == [0.01, 0.01]
+
+
+def test_pefll_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "pefll.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------- FedAKT
