@@ -5,8 +5,11 @@ Reads the ``last.ckpt`` of digits benchmark runs (``benchmarks.accuracy --settin
 
 - ``model_spread``: mean over clients of ||theta_i - theta_mean|| / ||theta_mean|| over all
   generated tensors (0: every client gets the same model, i.e. no personalization);
-- ``descriptor_spread`` (PeFLL): the same ratio for the full-data descriptors v_i = e(S_i);
+- ``descriptor_spread`` (PeFLL): the same ratio for the clients' mean embeddings over their
+  training data (the descriptors before PeFLL's standardization);
 - ``val_acc``: validation accuracy, mean over clients, of the models evaluation uses.
+
+"At initialization" is after PeFLL's descriptor standardization, which fit runs before round 0.
 
     python -m benchmarks.pefll_spread --seed 0 \\
         --pefll <log-dir>/digits-pathological-pefll-s0/version_0/checkpoints/last.ckpt \\
@@ -73,9 +76,7 @@ def measure(method: FederatedMethod) -> dict[str, Any]:
         "val_acc": float((correct / total).mean()),
     }
     if isinstance(method, PeFLL):
-        (index, weight), *_ = list(method.data.eval_blocks(clients, "train", 10**6))
-        x, y = method.data.fetch(index)
-        row["descriptor_spread"] = relative_spread(method.network.embedder(x, y, weight))
+        row["descriptor_spread"] = relative_spread(method.mean_embeddings(clients))
     return row
 
 
@@ -89,6 +90,8 @@ def main() -> None:
     results: dict[str, Any] = {"environment": environment(), "seed": args.seed, "rows": {}}
     for name, checkpoint in (("pefll", args.pefll), ("pfedhn", args.pfedhn)):
         method = build(name, args.seed)
+        if isinstance(method, PeFLL):
+            method.calibrate_descriptors()  # what fit does before round 0 (a no-op when off)
         results["rows"][f"{name}_init"] = measure(method)
         saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
         method.load_state_dict(saved["state_dict"])
