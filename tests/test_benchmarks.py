@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks import report, speed
+from tests.helpers import CONF, cli, run_dir
 
 TINY = {"workload": "lenet5_mnist", "batch": 32, "batches_per_epoch": 4, "steps": 2}
 
@@ -144,3 +145,36 @@ def test_methods_table_has_a_row_per_digits_result_with_bytes_per_sampled_client
     # the formula on a hand-made row: 3,000 bytes over 2 rounds of 3 clients
     row = {"class": "X", "rounds": 2, "comm_bytes_total": 3000.0}
     assert methods_table.table_row("x", row, 3, "t") == "| x | `X` | 3 | 2 | 500 | t |"
+
+
+def test_mh_trained_vs_generated_records_every_visit_without_changing_training(
+    tmp_path: Path,
+) -> None:
+    config = CONF / "mh_pfedhn.yaml"
+    plain = cli(config, tmp_path / "plain")
+    out = tmp_path / "diagnosis.json"
+    tracked = cli(
+        config,
+        tmp_path / "tracked",
+        "--model.class_path=benchmarks.mh_trained_vs_generated.TrackedMHPFedHN",
+        f"--model.init_args.diagnosis_out={out}",
+    )
+    assert tracked["test_last"] == plain["test_last"]
+    plain_state = torch.load(
+        run_dir(tmp_path / "plain", config) / "checkpoints" / "last.ckpt", weights_only=False
+    )["state_dict"]
+    tracked_state = torch.load(
+        run_dir(tmp_path / "tracked", config) / "checkpoints" / "last.ckpt", weights_only=False
+    )["state_dict"]
+    assert plain_state.keys() == tracked_state.keys()
+    for name, value in plain_state.items():
+        assert torch.equal(value, tracked_state[name]), name
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["round"] for r in rows] == [r for r in range(4) for _ in range(2)]
+    assert {r["arch"] for r in rows} <= {"cnn", "mlp", "resnet"}
+    for r in rows:
+        for key in ("generated_before", "trained", "generated_after"):
+            assert 0.0 <= r[key] <= 1.0
+    visits = sum(s["visits"] for spans in result["summary"].values() for s in spans.values())
+    assert visits == len(rows)
