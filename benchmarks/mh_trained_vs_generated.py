@@ -134,18 +134,28 @@ class TrackedMHPFedHN(MHPFedHN):
 
 
 def summarize(rows: list[dict[str, Any]], windows: int = 4) -> dict[str, Any]:
-    """Mean accuracies per architecture over ``windows`` equal spans of rounds."""
+    """Mean accuracies per architecture over ``windows`` equal spans of rounds, and
+    ``between_visits``: the mean of generated_before at a client's visit minus generated_after
+    at its previous visit (what the other clients' server steps did to its generated model)."""
     last = max(r["round"] for r in rows) + 1
     span = -(-last // windows)
     groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    drifts: dict[tuple[str, int], list[float]] = defaultdict(list)
+    previous: dict[int, dict[str, Any]] = {}
     for r in rows:
-        groups[(r["arch"], r["round"] // span)].append(r)
+        key = (r["arch"], r["round"] // span)
+        groups[key].append(r)
+        if r["client"] in previous:
+            drifts[key].append(r["generated_before"] - previous[r["client"]]["generated_after"])
+        previous[r["client"]] = r
     out: dict[str, Any] = {}
     for (arch, w), members in sorted(groups.items()):
         keys = ("generated_before", "trained", "generated_after")
+        drift = drifts[(arch, w)]
         out.setdefault(arch, {})[f"rounds {w * span}-{min(last, (w + 1) * span) - 1}"] = {
             "visits": len(members),
             **{k: sum(m[k] for m in members) / len(members) for k in keys},
+            "between_visits": sum(drift) / len(drift) if drift else None,
         }
     return out
 
@@ -154,15 +164,20 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] != "summarize":
         raise SystemExit("usage: python -m benchmarks.mh_trained_vs_generated summarize JSON...")
     for path in argv[1:]:
-        summary = json.loads(Path(path).read_text())["summary"]
+        summary = summarize(json.loads(Path(path).read_text())["rows"])
         print(f"\n{path}")
-        print("| arch | rounds | visits | generated before | trained | generated after |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| arch | rounds | visits | generated before (%) | trained (%) | "
+            "generated after (%) | between visits (points) |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for arch, spans in summary.items():
             for span, s in spans.items():
                 print(
                     f"| {arch} | {span} | {s['visits']} | {100 * s['generated_before']:.1f} | "
-                    f"{100 * s['trained']:.1f} | {100 * s['generated_after']:.1f} |"
+                    f"{100 * s['trained']:.1f} | {100 * s['generated_after']:.1f} | "
+                    + ("-" if s["between_visits"] is None else f"{100 * s['between_visits']:+.1f}")
+                    + " |"
                 )
 
 
