@@ -178,3 +178,36 @@ def test_mh_trained_vs_generated_records_every_visit_without_changing_training(
             assert 0.0 <= r[key] <= 1.0
     visits = sum(s["visits"] for spans in result["summary"].values() for s in spans.values())
     assert visits == len(rows)
+
+
+def test_mh_trained_vs_generated_summary_on_hand_rows() -> None:
+    from benchmarks.mh_trained_vs_generated import summarize
+
+    def visit(round_: int, client: int, before: float, after: float) -> dict[str, object]:
+        return {
+            "round": round_,
+            "client": client,
+            "arch": "cnn",
+            "generated_before": before,
+            "trained": 1.0,
+            "generated_after": after,
+        }
+
+    # client 0: left at 0.5 after round 0, found at 0.25 in round 2 (-0.25 between visits);
+    # client 1: left at 0.5 after round 1, found at 1.0 in round 3 (+0.5)
+    rows = [
+        visit(0, 0, 0.0, 0.5),
+        visit(1, 1, 0.0, 0.5),
+        visit(2, 0, 0.25, 0.75),
+        visit(3, 1, 1.0, 1.0),
+    ]
+    summary = summarize(rows, windows=2)["cnn"]
+    assert summary["rounds 0-1"] == {
+        "visits": 2,
+        "generated_before": 0.0,
+        "trained": 1.0,
+        "generated_after": 0.5,
+        "between_visits": None,
+    }
+    assert summary["rounds 2-3"]["generated_before"] == 0.625
+    assert summary["rounds 2-3"]["between_visits"] == 0.125
