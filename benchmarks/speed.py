@@ -12,12 +12,15 @@ Workloads (``--workload``):
 
 Paths (``--paths``): ``reference`` is what the popular PFL libraries do: one ``nn.Module``
 per client with ``torch.optim.SGD``, clients one after another (FedAvg only). The engine's
-paths: ``sequential`` (clients one by one, ``vectorize: false``), ``vectorized`` (one vmap),
-each optionally ``-compiled`` (``compile_step``) and/or ``-graphs`` (the whole round's local
-training recorded as one CUDA graph and replayed, ``cuda_graphs``; CUDA only). Every path
-trains the same clients on the same batches. Rounds are timed by calling the method's round
-directly (server step included, evaluation excluded) after one warm-up round, which includes
-compilation and graph recording and is reported apart.
+paths: ``default`` (no speed setting: what a config gets), ``sequential`` (clients one by one,
+``vectorize: false, client_threads: 1``), ``threaded`` (the per-client loop on every usable
+core, ``client_threads``; CPU), ``vectorized`` (one vmap), each optionally ``-compiled``
+(``compile_step``) and/or ``-graphs`` (the whole round's local training recorded as one CUDA
+graph and replayed, ``cuda_graphs``; CUDA only). Every path trains the same clients on the same
+batches. Rounds are timed by calling the method's round directly (server step included,
+evaluation excluded) after one warm-up round, which includes compilation and graph recording
+and is reported apart; the paths of a setting take turns round by round, and each reports the
+median of its rounds.
 
 ``--e2e`` adds the end-to-end time per round of ``lightning-pfl fit`` itself (Lightning's loop,
 logging and the per-round checks included, validation excluded) for pFedHN with one client per
@@ -38,8 +41,10 @@ import argparse
 import contextlib
 import copy
 import json
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +57,15 @@ from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.datasets.registry import DATASETS, DatasetArrays, DatasetSpec
 from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN
+from lightning_pfl.methods.base import usable_cores
 from lightning_pfl.models import build_network
 from lightning_pfl.partition import IID
 
 METHODS: dict[str, type[FederatedMethod]] = {"FedAvg": FedAvg, "pFedHN": PFedHN, "Local": Local}
 ENGINE_PATHS = [
+    "default",
     "sequential",
+    "threaded",
     "vectorized",
     "sequential-compiled",
     "vectorized-compiled",
@@ -132,9 +140,7 @@ def build(
         local_steps=args.steps,
         batch_size=args.batch,
         local_lr=0.01,
-        vectorize="vectorized" in path or path == "reference",
-        compile_step="compiled" in path,
-        cuda_graphs="graphs" in path,
+        **path_options(path),
         offload_client_state=args.device == "cuda",
         **epochs,
     )
@@ -144,6 +150,18 @@ def build(
     if "graphs" in path:
         model.round_graphs = model._round_graphs()
     return model
+
+
+def path_options(path: str) -> dict[str, Any]:
+    """The method arguments of an engine path (``default``: what a config that sets none gets)."""
+    if path == "default":
+        return {}
+    return {
+        "vectorize": "vectorized" in path or path == "reference",
+        "compile_step": "compiled" in path,
+        "cuda_graphs": "graphs" in path,
+        "client_threads": usable_cores() if path == "threaded" else 1,
+    }
 
 
 def reference_round(model: FederatedMethod, round_idx: int) -> None:
@@ -175,10 +193,10 @@ def reference_round(model: FederatedMethod, round_idx: int) -> None:
             p.copy_(sum(w * s[name] for w, s in zip(weights.float(), states, strict=True)))
 
 
-def time_rounds(
-    model: FederatedMethod, rounds: int, precision: str, device: str, path: str
-) -> tuple[float, float]:
-    """Seconds of the first round (warm-up, compilation, recording) and mean of the next ones."""
+def round_runner(
+    model: FederatedMethod, precision: str, device: str, path: str
+) -> Callable[[int], float]:
+    """A function that runs round ``r`` of ``model`` on ``path`` and returns its seconds."""
     optimizer = model.configure_optimizers()
     autocast = (
         torch.autocast(device_type=device, dtype=torch.bfloat16)
@@ -186,25 +204,29 @@ def time_rounds(
         else contextlib.nullcontext()
     )
 
-    def one_round(r: int) -> None:
+    def one_round(r: int) -> float:
+        start = time.perf_counter()
         if path == "reference":
             reference_round(model, r)
-            return
-        optimizer.zero_grad()
-        with autocast:
-            losses = model.run_round(r, model.sample_clients(r))
-        losses.sum().item()  # as the training step, one host sync per round
-        optimizer.step()
+        else:
+            optimizer.zero_grad()
+            with autocast:
+                losses = model.run_round(r, model.sample_clients(r))
+            losses.sum().item()  # as the training step, one host sync per round
+            optimizer.step()
+        _sync(device)
+        return time.perf_counter() - start
 
-    start = time.perf_counter()
-    one_round(0)
-    _sync(device)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    for r in range(1, rounds + 1):
-        one_round(r)
-    _sync(device)
-    return first, (time.perf_counter() - start) / rounds
+    return one_round
+
+
+def time_rounds(
+    model: FederatedMethod, rounds: int, precision: str, device: str, path: str
+) -> tuple[float, float]:
+    """Seconds of the first round (warm-up, compilation, recording) and median of the next."""
+    one_round = round_runner(model, precision, device, path)
+    first = one_round(0)
+    return first, statistics.median(one_round(r) for r in range(1, rounds + 1))
 
 
 def _sync(device: str) -> None:
@@ -217,41 +239,54 @@ def measure(
     num_clients: int,
     cpr: int,
     args: argparse.Namespace,
-    path: str,
+    paths: list[str],
     precision: str,
     step_flops: int,
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
+    """Time every path of one setting, round by round in turn, so that a machine that slows
+    down or speeds up meanwhile (shared cores, clock changes) affects all paths alike; each
+    path's time is the median of its timed rounds."""
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = build(method, num_clients, cpr, args, path)
-    first_round, seconds = time_rounds(model, args.rounds, precision, args.device, path)
-    steps = args.steps if args.workload == "cifar_cnn" else args.batches_per_epoch
+    models = {path: build(method, num_clients, cpr, args, path) for path in paths}
+    runners = {path: round_runner(models[path], precision, args.device, path) for path in paths}
+    first_round = {path: runner(0) for path, runner in runners.items()}
+    timed: dict[str, list[float]] = {path: [] for path in paths}
+    for r in range(1, args.rounds + 1):
+        for path, runner in runners.items():
+            timed[path].append(runner(r))
+    steps = args.steps if args.workload != "lenet5_mnist" else args.batches_per_epoch
     client_steps = cpr * steps
-    row = {
-        "method": method,
-        "workload": args.workload,
-        "num_clients": num_clients,
-        "clients_per_round": cpr,
-        "path": path,
-        "precision": precision,
-        "local_steps": steps,
-        "batch_size": args.batch,
-        "seconds_per_round": seconds,
-        "first_round_seconds": first_round,
-        "client_updates_per_second": client_steps / seconds,
-        "achieved_tflops": step_flops * client_steps / seconds / 1e12,
-        "peak_device_memory_mb": torch.cuda.max_memory_allocated() / 2**20
-        if args.device == "cuda"
-        else None,
-        "client_state_mb": model.store.nbytes() / 2**20,
-    }
-    print(
-        f"{method:<7} n={num_clients:<6} C={cpr:<4} {path:<27} {precision:<10} "
-        f"{seconds:8.4f} s/round {row['client_updates_per_second']:9.1f} upd/s "
-        f"{row['achieved_tflops']:7.3f} TFLOP/s",
-        flush=True,
-    )
-    return row
+    rows = []
+    for path in paths:
+        seconds = statistics.median(timed[path])
+        row = {
+            "method": method,
+            "workload": args.workload,
+            "num_clients": num_clients,
+            "clients_per_round": cpr,
+            "path": path,
+            "precision": precision,
+            "local_steps": steps,
+            "batch_size": args.batch,
+            "seconds_per_round": seconds,
+            "round_seconds": timed[path],
+            "first_round_seconds": first_round[path],
+            "client_updates_per_second": client_steps / seconds,
+            "achieved_tflops": step_flops * client_steps / seconds / 1e12,
+            "peak_device_memory_mb": torch.cuda.max_memory_allocated() / 2**20
+            if args.device == "cuda"
+            else None,
+            "client_state_mb": models[path].store.nbytes() / 2**20,
+        }
+        print(
+            f"{method:<7} n={num_clients:<6} C={cpr:<4} {path:<27} {precision:<10} "
+            f"{seconds:8.4f} s/round {row['client_updates_per_second']:9.1f} upd/s "
+            f"{row['achieved_tflops']:7.3f} TFLOP/s",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
@@ -313,9 +348,7 @@ def end_to_end(args: argparse.Namespace, path: str) -> dict[str, Any]:
                 "--trainer.enable_progress_bar=false",
                 f"--trainer.logger.init_args.save_dir={logs}",
                 "--test_after_fit=false",
-                f"--model.init_args.vectorize={'vectorized' in path}",
-                f"--model.init_args.compile_step={'compiled' in path}",
-                f"--model.init_args.cuda_graphs={'graphs' in path}",
+                *(f"--model.init_args.{k}={v}" for k, v in path_options(path).items()),
                 "--checkpoint.every_n_rounds=0",
                 "--checkpoint.every_minutes=null",
             ],
@@ -351,7 +384,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
     parser.add_argument(
-        "--paths", nargs="+", default=["reference", "sequential", "vectorized"], choices=PATHS
+        "--paths",
+        nargs="+",
+        default=["reference", "default", "sequential", "threaded", "vectorized"],
+        choices=PATHS,
     )
     parser.add_argument("--total-clients", type=int, nargs="*", default=[])
     parser.add_argument("--curve-clients-per-round", type=int, default=10)
@@ -365,23 +401,24 @@ def main() -> None:
     step_flops = flops_per_client_step(args)
     rows = []
     for method in args.methods:
+        paths = [
+            path
+            for path in dict.fromkeys(args.paths)
+            if (path != "reference" or method == "FedAvg")
+            and ("graphs" not in path or args.device == "cuda")
+            and (path != "threaded" or args.device == "cpu")
+        ]
         for cpr in args.clients:
             for precision in args.precisions:
-                for path in args.paths:
-                    if path == "reference" and method != "FedAvg":
-                        continue
-                    if "graphs" in path and args.device != "cuda":
-                        continue
-                    rows.append(
-                        measure(method, args.num_clients, cpr, args, path, precision, step_flops)
-                    )
+                rows += measure(method, args.num_clients, cpr, args, paths, precision, step_flops)
     add_speedups(rows)
     curve = [
-        measure(
-            method, total, args.curve_clients_per_round, args, "vectorized", "32-true", step_flops
-        )
+        row
         for method in args.methods
         for total in args.total_clients
+        for row in measure(
+            method, total, args.curve_clients_per_round, args, ["vectorized"], "32-true", step_flops
+        )
     ]
     e2e = [end_to_end(args, path) for path in args.e2e_paths] if args.e2e else []
     result = {

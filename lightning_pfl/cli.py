@@ -54,6 +54,7 @@ RUNTIME_KEYS = {
     "model.init_args.vectorize",
     "model.init_args.compile_step",
     "model.init_args.cuda_graphs",
+    "model.init_args.client_threads",
     "model.init_args.eval_batch_size",
     "model.init_args.offload_client_state",
     "data.init_args.root",

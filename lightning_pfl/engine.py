@@ -4,13 +4,17 @@ All of a round's clients share one architecture, so their parameters are stacked
 leading client dimension and trained together with ``torch.func`` (``functional_call`` inside
 ``grad`` inside ``vmap``). The sequential path runs the very same per-client step in a Python
 loop; it is the reference the vectorized path is tested against and the fallback for methods
-whose client step cannot be vmapped.
+whose client step cannot be vmapped. On CPUs the threaded loop (:func:`_threaded_rounds`)
+trains several clients at once, one per worker thread, for networks whose steps are large
+enough that vmap's grouped convolutions cost more than they save.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pfl.graphs import RoundGraphs
 from lightning_pfl.losses import weighted_mean
@@ -96,6 +101,42 @@ class Architecture:
         self.head_names = tuple(n for n in self.shapes if n.rsplit(".", 1)[0] == head)
         self._initial = {name: t.detach().clone() for name, t in net.state_dict().items()}
         self._template = copy.deepcopy(net).to("meta")
+        self._worker_templates: dict[int, nn.Module] = {}
+
+    @property
+    def template(self) -> nn.Module:
+        """The weightless module for this thread: ``functional_call`` swaps tensors into it, so
+        each worker thread of the threaded client loop has its own copy. (A compiled step runs
+        on the calling thread only, and ``torch.compile`` cannot trace ``threading``.)"""
+        if torch.compiler.is_compiling() or threading.current_thread() is threading.main_thread():
+            return self._template
+        ident = threading.get_ident()
+        module = self._worker_templates.get(ident)
+        if module is None:
+            module = self._worker_templates.setdefault(ident, copy.deepcopy(self._template))
+        return module
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether training-mode forwards draw random numbers (dropout)."""
+        return any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+            for m in self._template.modules()
+        )
+
+    def step_flops(self, example: Tensor) -> int:
+        """FLOPs of a training-mode forward and backward on a batch shaped like ``example``
+        (counted on the meta device: nothing is computed; also under evaluation's inference
+        mode)."""
+        with torch.inference_mode(False), torch.enable_grad():
+            tensors = {
+                name: torch.empty(shape, device="meta", requires_grad=name in self.shapes)
+                for name, shape in {**self.shapes, **self.buffer_shapes}.items()
+            }
+            x = torch.empty_like(example, device="meta")
+            with FlopCounterMode(display=False) as counter:
+                self(tensors, x, train=True).float().logsumexp(-1).sum().backward()
+        return int(counter.get_total_flops())
 
     @property
     def stateful(self) -> bool:
@@ -109,14 +150,16 @@ class Architecture:
         """
         if train and self.stateful:
             return self.forward_train(tensors, x)[0]
-        self._template.train(train)
-        return functional_call(self._template, dict(tensors), (x,))
+        module = self.template
+        module.train(train)
+        return functional_call(module, dict(tensors), (x,))
 
     def forward_train(self, tensors: Mapping[str, Tensor], x: Tensor) -> tuple[Tensor, Params]:
         """Training-mode logits and the updated buffers (running statistics) of ``tensors``."""
-        self._template.train(True)
+        module = self.template
+        module.train(True)
         buffers = {n: tensors[n].clone() for n in self.buffer_shapes}
-        logits = functional_call(self._template, {**tensors, **buffers}, (x,))
+        logits = functional_call(module, {**tensors, **buffers}, (x,))
         return logits, buffers
 
     def batch_statistics(self, tensors: Mapping[str, Tensor], x: Tensor) -> Params:
@@ -134,14 +177,15 @@ class Architecture:
 
     def features(self, tensors: Mapping[str, Tensor], x: Tensor, train: bool = False) -> Tensor:
         """The representation the classifier reads (needs a ``TargetNetwork``)."""
-        self._template.train(train)
-        return functional_call(self._template, dict(tensors), (x,), {"features_only": True})
+        module = self.template
+        module.train(train)
+        return functional_call(module, dict(tensors), (x,), {"features_only": True})
 
     def classify(self, tensors: Mapping[str, Tensor], z: Tensor) -> Tensor:
         """The classifier applied to representations ``z`` (reads only the head tensors)."""
         prefix = self.head_module + "."
         head = {n[len(prefix) :]: tensors[n] for n in self.head_names}
-        return functional_call(self._template.get_submodule(self.head_module), head, (z,))
+        return functional_call(self.template.get_submodule(self.head_module), head, (z,))
 
     def initial_params(self) -> Params:
         """The parameters of the network this architecture was built from (a copy)."""
@@ -263,6 +307,31 @@ def _sgd_step(
     return new_params, new_momentum
 
 
+def _foreach_sgd_step(
+    params: Params, grads: Params, momentum: Params, groups: Sequence[ParamGroup]
+) -> tuple[Params, Params]:
+    """:func:`_sgd_step` with multi-tensor kernels: a few calls per group instead of a few per
+    tensor (one client at a time; vmap has no batching rules for them)."""
+    new_params: Params = {}
+    new_momentum: Params = {}
+    for group in groups:
+        cfg = group.sgd
+        p = tuple(params[n] for n in group.names)
+        d = tuple(grads[n] for n in group.names)
+        if cfg.max_grad_norm is not None:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(d)))
+            d = torch._foreach_mul(d, torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0))
+        if cfg.weight_decay:
+            d = torch._foreach_add(d, p, alpha=cfg.weight_decay)
+        if cfg.momentum:
+            d = torch._foreach_add(
+                torch._foreach_mul(tuple(momentum[n] for n in group.names), cfg.momentum), d
+            )
+        new_params.update(zip(group.names, torch._foreach_add(p, d, alpha=-cfg.lr), strict=True))
+        new_momentum.update(zip(group.names, d, strict=True))
+    return new_params, new_momentum
+
+
 def train_clients(
     loss_fn: LossFn,
     params: Params,
@@ -276,6 +345,7 @@ def train_clients(
     state: Params | None = None,
     graphs: RoundGraphs | None = None,
     fetch_key: Hashable = None,
+    threads: int = 1,
 ) -> TrainResult:
     """Run local SGD for every client of the round.
 
@@ -299,6 +369,9 @@ def train_clients(
             recording is keyed by ``loss_fn``, ``groups``, ``fetch_key`` (what identifies the
             data ``fetch`` reads), the flags and every tensor's shape.
         fetch_key: identity of the data behind ``fetch`` (needed with ``graphs``).
+        threads: with ``vectorize=False`` on a CPU, train this many clients at once, each
+            client's whole local training in one worker thread with one intra-op thread and
+            channels-last images (see :func:`_threaded_rounds`); 1 is the sequential loop.
     """
     frozen = frozen or {}
     state = state or {}
@@ -330,6 +403,31 @@ def train_clients(
         keep_st = {n: torch.where(active, new_st[n].detach(), st[n]) for n in st}
         return keep, keep_m, keep_st, loss.detach()
 
+    def taken_step(
+        p: Params, m: Params, st: Params, fr: Params, x: Tensor, y: Tensor, w: Tensor
+    ) -> tuple[Params, Params, Params, Tensor]:
+        """``step`` of a client that takes it (no masks), differentiated by PyTorch's autograd,
+        which costs less Python per call than ``torch.func`` (worker threads share the
+        interpreter); under inference mode (evaluation), where autograd cannot run, by
+        ``torch.func`` as ``step``."""
+        if torch.is_inference_mode_enabled():
+            grads, out = value_and_grad(p, {**fr, **st}, x, y, w)
+        else:
+            leaves = {n: t.detach().requires_grad_() for n, t in p.items()}
+            with torch.enable_grad():
+                out = loss_fn(leaves, {**fr, **st}, x, y, w)
+                objective = out[0] if isinstance(out, tuple) else out
+                differentiated = torch.autograd.grad(
+                    objective,
+                    list(leaves.values()),
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+            grads = dict(zip(leaves, differentiated, strict=True))
+        loss, new_st = out if state else (out, {})
+        new_p, new_m = _foreach_sgd_step(p, grads, m, groups)
+        return new_p, new_m, {n: t.detach() for n, t in new_st.items()}, loss.detach()
+
     batched_step = vmap(step, randomness="different") if vectorize else None
     if compile_step:
         if batched_step is not None:
@@ -347,6 +445,9 @@ def train_clients(
         active: Tensor,
     ) -> tuple[Params, Params, Params, Tensor]:
         """Every local step of every client: a pure function of its tensors (recordable)."""
+        if batched_step is None and threads > 1:
+            args = (params, momentum, state, frozen, index, weight, active)
+            return _threaded_rounds(taken_step, fetch, threads, *args)
         num_clients, num_steps = active.shape
         loss_sum = torch.zeros(num_clients, device=weight.device)
         for s in range(num_steps):
@@ -394,6 +495,84 @@ def train_clients(
 
 def _row(tensors: Params, c: int) -> Params:
     return {n: t[c] for n, t in tensors.items()}
+
+
+def _channels_last(x: Tensor) -> Tensor:
+    """Image batches ``[B, C, H, W]`` with channels-last strides (same values; CPU convolutions
+    and pooling run faster on them). Set explicitly: for one channel, ``contiguous(memory_format=
+    torch.channels_last)`` keeps the NCHW strides, and the convolution then runs NCHW."""
+    if x.dim() != 4:
+        return x
+    _, c, h, w = x.shape
+    strides = (c * h * w, 1, w * c, c)
+    if x.stride() == strides:
+        return x
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
+
+
+_WORKER_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _worker_pool(threads: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``threads`` workers, each limited to one intra-op thread."""
+    pool = _WORKER_POOLS.get(threads)
+    if pool is None:
+        pool = ThreadPoolExecutor(
+            threads, "pfl-client", initializer=torch.set_num_threads, initargs=(1,)
+        )
+        _WORKER_POOLS[threads] = pool
+    return pool
+
+
+def _threaded_rounds(
+    step: Callable[..., tuple[Params, Params, Params, Tensor]],
+    fetch: Callable[[Tensor], tuple[Tensor, Tensor]],
+    threads: int,
+    params: Params,
+    momentum: Params,
+    state: Params,
+    frozen: Params,
+    index: Tensor,
+    weight: Tensor,
+    active: Tensor,
+) -> tuple[Params, Params, Params, Tensor]:
+    """The sequential loop's math with clients spread over worker threads (CPU).
+
+    Each worker trains whole clients, one after another: a client's steps run in order in one
+    thread with one intra-op thread, so its result does not depend on scheduling, and only the
+    steps it takes are computed (idle steps change nothing). Small convolutions run several
+    times faster per core this way than split across cores, and the kernels release the GIL.
+    Autocast, grad and inference mode are thread-local: the caller's are entered in every
+    worker.
+    """
+    num_clients = active.shape[0]
+    autocast = torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu")
+    inference = torch.is_inference_mode_enabled()
+    grad = torch.is_grad_enabled()
+    taken = active.cpu()
+
+    def train_one(c: int) -> tuple[Params, Params, Params, Tensor]:
+        p, m, st, fr = _row(params, c), _row(momentum, c), _row(state, c), _row(frozen, c)
+        loss_sum = torch.zeros((), device=weight.device)
+        with (
+            torch.inference_mode(inference),
+            torch.set_grad_enabled(grad),
+            torch.autocast("cpu", dtype=dtype, enabled=autocast),
+        ):
+            for s in taken[c].nonzero().flatten().tolist():
+                x, y = fetch(index[c, s])
+                p, m, st, loss = step(p, m, st, fr, _channels_last(x), y, weight[c, s])
+                loss_sum = loss_sum + loss.float()
+        return p, m, st, loss_sum
+
+    outs = list(_worker_pool(threads).map(train_one, range(num_clients)))
+    return (
+        {n: torch.stack([o[0][n] for o in outs]) for n in params},
+        {n: torch.stack([o[1][n] for o in outs]) for n in momentum},
+        {n: torch.stack([o[2][n] for o in outs]) for n in state},
+        torch.stack([o[3] for o in outs]),
+    )
 
 
 class ClientStateStore:

@@ -55,22 +55,36 @@ def assert_vectorized_equals_sequential(
     data_kwargs: dict[str, Any] | None = None,
     **method_kwargs: Any,
 ) -> None:
-    """``rounds`` rounds vmapped and client by client end in the same server and client state."""
+    """``rounds`` rounds client by client (the reference), vmapped and, for a deterministic
+    client step, with clients in two worker threads end in the same server and client state."""
     method_kwargs.setdefault("clients_per_round", 3)
-    states = []
-    for vectorize in (True, False):
+
+    def trained(**path: Any) -> FederatedMethod:
         dm = digits_data(num_clients, **(data_kwargs or {}))
-        method = build(cls, dm, vectorize=vectorize, **method_kwargs)
+        method = build(cls, dm, **path, **method_kwargs)
         fit(method, dm, rounds=rounds)
-        states.append((method.state_dict(), method.store.state_dict()))
-    (fast, fast_store), (slow, slow_store) = states
-    for name in fast:
-        torch.testing.assert_close(fast[name], slow[name], rtol=1e-4, atol=1e-5, msg=name)
-    for field, tensors in fast_store.items():
-        for name in tensors:
+        return method
+
+    reference = trained(vectorize=False, client_threads=1)
+    others = {"vmap": trained(vectorize=True)}
+    if not reference.arch.stochastic:
+        others["threads"] = trained(vectorize=False, client_threads=2)
+    slow, slow_store = reference.state_dict(), reference.store.state_dict()
+    for path, method in others.items():
+        fast, fast_store = method.state_dict(), method.store.state_dict()
+        for name in fast:
             torch.testing.assert_close(
-                tensors[name], slow_store[field][name], rtol=1e-4, atol=1e-5, msg=f"{field} {name}"
+                fast[name], slow[name], rtol=1e-4, atol=1e-5, msg=f"{path}: {name}"
             )
+        for field, tensors in fast_store.items():
+            for name in tensors:
+                torch.testing.assert_close(
+                    tensors[name],
+                    slow_store[field][name],
+                    rtol=1e-4,
+                    atol=1e-5,
+                    msg=f"{path}: {field} {name}",
+                )
 
 
 def assert_resume_is_exact(config: Path, tmp_path: Path, *extra: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,6 +55,15 @@ if TYPE_CHECKING:
     from lightning_pfl.assignment import NetworkGroups
 
 INIT_STREAM, CLIENT_STREAM, BATCH_STREAM, SERVER_INIT_STREAM, DROPOUT_STREAM = 0, 1, 2, 3, 4
+# ``vectorize: null`` on a CPU: vmap when one client step (forward + backward of a batch) costs
+# less, else the threaded per-client loop. Measured on 2 cores (docs/performance.md): vmap was
+# 2.5x faster at 17 MFLOP and level at 68; the threaded loop 1.3x faster at 145 and 1.7x at 773.
+VMAP_CPU_MAX_STEP_FLOPS = 64e6
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass
@@ -108,11 +118,19 @@ class FederatedMethod(LightningModule, ABC):
         local_momentum: client SGD momentum.
         local_weight_decay: client SGD weight decay.
         local_max_grad_norm: per-client gradient-norm clip of local steps (None: off).
-        vectorize: train the round's clients together with vmap (False: one by one, same math;
-            faster on CPU for conv nets on 32x32 batches of 64, see docs/performance.md).
+        vectorize: train the round's clients together with vmap (False: client by client, same
+            math). None: vmap on GPUs; on CPUs vmap for networks whose local step costs under
+            64 MFLOP and the threaded loop (``client_threads``) above that, where vmap's grouped
+            convolutions are slower (measurements: docs/performance.md).
         compile_step: compile the local SGD step with ``torch.compile`` (first round slower).
         cuda_graphs: record each round's local training as a CUDA graph and replay it (None:
             on when training on a CUDA device; see ``lightning_pfl.graphs``).
+        client_threads: on a CPU, clients the loop (no vmap) trains at once, each in its own
+            worker thread with one intra-op thread and channels-last images; same results as
+            one by one up to float rounding. None: every usable core when ``vectorize`` is
+            None, 1 when it is False. Used only where the client step is deterministic (no
+            dropout), not compiled and in one process; elsewhere, and with 1, clients train
+            one by one (``vectorize: false, client_threads: 1`` is the reference path).
         eval_batch_size: samples per client per evaluation block.
         select_metric: validation metric that picks the best round: ``acc`` (mean over
             clients, the pFedHN paper's formula) or ``acc_weighted`` (pooled, its code's).
@@ -138,9 +156,10 @@ class FederatedMethod(LightningModule, ABC):
         local_momentum: Momentum = 0.9,
         local_weight_decay: NonNegativeFloat = 5e-5,
         local_max_grad_norm: PositiveFloat | None = 50.0,
-        vectorize: bool = True,
+        vectorize: bool | None = None,
         compile_step: bool = False,
         cuda_graphs: bool | None = None,
+        client_threads: PositiveInt | None = None,
         eval_batch_size: PositiveInt = 512,
         select_metric: Literal["acc", "acc_weighted"] = "acc",
         offload_client_state: bool = False,
@@ -169,6 +188,8 @@ class FederatedMethod(LightningModule, ABC):
             except ConfigError as error:
                 raise ConfigError(f"model.init_args.net / net_args: {error}") from None
             self.arch = Architecture(network)
+        if client_threads is not None and client_threads > 1:
+            self.check_threadable(self.arch)
         self.store = ClientStateStore(num_clients)
         self.cross_entropy = cross_entropy_loss(self.arch)  # one object: a compiled step reuses it
         # Lightning's DDP wrapper refuses modules without trainable parameters (Local,
@@ -191,6 +212,7 @@ class FederatedMethod(LightningModule, ABC):
         self.extra_results: dict[str, Any] = {}  # entries callbacks add to results.json
         self.server_optimizer: torch.optim.Optimizer | None = None  # set by configure_optimizers
         self.round_graphs: RoundGraphs | None = None  # set in on_fit_start (needs the device)
+        self._step_flops: dict[int, int] = {}
 
     # ----------------------------------------------------------------- hooks for methods
     @abstractmethod
@@ -350,6 +372,7 @@ class FederatedMethod(LightningModule, ABC):
         loss_fn = loss_fn or (self.cross_entropy if arch is self.arch else cross_entropy_loss(arch))
         world = self.trainer.world_size if self._trainer is not None else 1
         if world == 1:
+            vectorize, threads = self.training_path(arch)
             result = train_clients(
                 loss_fn,
                 trainable,
@@ -358,22 +381,69 @@ class FederatedMethod(LightningModule, ABC):
                 self.data.fetch,
                 frozen,
                 momentum,
-                h.vectorize,
+                vectorize,
                 h.compile_step,
                 state,
                 self.round_graphs,
                 self._fetch_key(),
+                threads,
             )
         else:
             result = self._train_across_ranks(
-                world, loss_fn, trainable, groups, batches, frozen or {}, momentum, state
+                world, arch, loss_fn, trainable, groups, batches, frozen or {}, momentum, state
             )
         result.params = {**result.params, **result.state}
         return result
 
+    def check_threadable(self, arch: Architecture) -> None:
+        """Refuse an explicit ``client_threads > 1`` where clients cannot train concurrently."""
+        h = self.hp
+        if arch.stochastic:
+            raise ConfigError(
+                f"model.init_args.client_threads = {h.client_threads} trains clients "
+                f"concurrently, which needs a client step without random numbers, and net "
+                f"'{h.net}' has dropout; use client_threads 1 or null (null: one by one here)."
+            )
+        if h.compile_step:
+            raise ConfigError(
+                f"model.init_args.client_threads = {h.client_threads} with compile_step: true; "
+                "a compiled step runs one client at a time: use client_threads 1 or null."
+            )
+
+    def training_path(self, arch: Architecture, world: int = 1) -> tuple[bool, int]:
+        """``(vectorize, threads)`` for local training of ``arch`` on this device.
+
+        ``vectorize`` True: vmap. False: the loop, with ``client_threads`` threads (default 1).
+        None: on a CPU, the loop with ``client_threads`` (default: every usable core) when
+        one step of ``arch`` costs at least ``VMAP_CPU_MAX_STEP_FLOPS``, else vmap; vmap on
+        other devices. Threads need a CPU, one process and a deterministic, uncompiled step.
+        """
+        h = self.hp
+        if h.vectorize:
+            return True, 1
+        threadable = (
+            self.device.type == "cpu" and world == 1 and not h.compile_step and not arch.stochastic
+        )
+        if h.vectorize is None:
+            threads = (h.client_threads or usable_cores()) if threadable else 1
+            if threads == 1 or self.step_flops(arch) < VMAP_CPU_MAX_STEP_FLOPS:
+                return True, 1
+            return False, threads
+        return False, (h.client_threads or 1) if threadable else 1
+
+    def step_flops(self, arch: Architecture) -> int:
+        """FLOPs of one local step of ``arch`` on a batch of ``batch_size`` (counted once)."""
+        flops = self._step_flops.get(id(arch))
+        if flops is None:
+            index = torch.zeros(self.hp.batch_size, dtype=torch.long, device=self.data.device)
+            example, _ = self.data.fetch(index)
+            flops = self._step_flops[id(arch)] = arch.step_flops(example)
+        return flops
+
     def _train_across_ranks(
         self,
         world: int,
+        arch: Architecture,
         loss_fn: LossFn,
         params: Params,
         groups: Sequence[ParamGroup],
@@ -410,7 +480,7 @@ class FederatedMethod(LightningModule, ABC):
             self.data.fetch,
             take(frozen),
             take(momentum) if momentum is not None else None,
-            self.hp.vectorize,
+            self.training_path(arch, world)[0],
             self.hp.compile_step,
             take(state),
             self.round_graphs,

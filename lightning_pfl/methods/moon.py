@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from lightning_pfl.engine import (
+    Architecture,
     Params,
     TrainResult,
     client_mean,
@@ -73,7 +72,7 @@ class MOON(FedAvg):
             self.projection = nn.Sequential(
                 nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, projection_dim)
             )
-        self._projection = [copy.deepcopy(self.projection).to("meta")]  # off the module tree
+        self.projection_arch = Architecture(self.projection)  # weightless, safe in threads
         self.store.add_field("previous", self.global_state())
         # one object for every round: a recorded round (CUDA graph) is keyed by the loss
         self.client_loss = self.moon_loss
@@ -97,7 +96,7 @@ class MOON(FedAvg):
         net = {n: t for n, t in params.items() if not n.startswith(PROJ)}
         proj = {n[len(PROJ) :]: t for n, t in params.items() if n.startswith(PROJ)}
         features = self.arch.features(net, x, train=train)
-        z = functional_call(self._projection[0], proj, (features,))
+        z = self.projection_arch(proj, features)
         return z, self.arch.classify(net, features)
 
     def moon_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
