@@ -540,7 +540,8 @@ def _threaded_rounds(
 
     Each worker trains whole clients, one after another: a client's steps run in order in one
     thread with one intra-op thread, so its result does not depend on scheduling, and only the
-    steps it takes are computed (idle steps change nothing). Small convolutions run several
+    steps it takes are computed (idle steps change nothing). A round of one client runs on the
+    calling thread, which keeps its intra-op threads. Small convolutions run several
     times faster per core this way than split across cores, and the kernels release the GIL.
     Autocast, grad and inference mode are thread-local: the caller's are entered in every
     worker.
@@ -566,7 +567,10 @@ def _threaded_rounds(
                 loss_sum = loss_sum + loss.float()
         return p, m, st, loss_sum
 
-    outs = list(_worker_pool(threads).map(train_one, range(num_clients)))
+    if num_clients == 1:  # the calling thread, with all its intra-op threads
+        outs = [train_one(0)]
+    else:
+        outs = list(_worker_pool(min(threads, num_clients)).map(train_one, range(num_clients)))
     return (
         {n: torch.stack([o[0][n] for o in outs]) for n in params},
         {n: torch.stack([o[1][n] for o in outs]) for n in momentum},

@@ -64,8 +64,9 @@ def lenet_round(threads: int, clients: int = 5, **kwargs: Any) -> TrainResult:
     )
 
 
-def test_threaded_loop_equals_one_by_one_and_repeats_exactly() -> None:
-    slow, fast, again = lenet_round(1), lenet_round(2), lenet_round(2)
+@pytest.mark.parametrize("clients", [5, 1])  # one client: trained on the calling thread
+def test_threaded_loop_equals_one_by_one_and_repeats_exactly(clients: int) -> None:
+    slow, fast, again = (lenet_round(t, clients) for t in (1, 2, 2))
     for field in ("params", "momentum", "state"):
         for name, tensor in getattr(slow, field).items():
             torch.testing.assert_close(

@@ -56,9 +56,10 @@ if TYPE_CHECKING:
 
 INIT_STREAM, CLIENT_STREAM, BATCH_STREAM, SERVER_INIT_STREAM, DROPOUT_STREAM = 0, 1, 2, 3, 4
 # ``vectorize: null`` on a CPU: vmap when one client step (forward + backward of a batch) costs
-# less, else the threaded per-client loop. Measured on 2 cores (docs/performance.md): vmap was
-# 2.5x faster at 17 MFLOP and level at 68; the threaded loop 1.3x faster at 145 and 1.7x at 773.
-VMAP_CPU_MAX_STEP_FLOPS = 64e6
+# less, else the threaded per-client loop. Measured on 2 cores, 20 clients per round
+# (benchmarks/results/speed_cpu_crossover): vmap 2.2x faster at 4 MFLOP and 1.3x at 17; the
+# threaded loop 1.14x faster at 34 and 1.23x at 68 (1.8x on LeNet-5 at 145, docs/performance.md).
+VMAP_CPU_MAX_STEP_FLOPS = 24e6
 
 
 def usable_cores() -> int:
@@ -120,7 +121,7 @@ class FederatedMethod(LightningModule, ABC):
         local_max_grad_norm: per-client gradient-norm clip of local steps (None: off).
         vectorize: train the round's clients together with vmap (False: client by client, same
             math). None: vmap on GPUs; on CPUs vmap for networks whose local step costs under
-            64 MFLOP and the threaded loop (``client_threads``) above that, where vmap's grouped
+            24 MFLOP and the threaded loop (``client_threads``) above that, where vmap's grouped
             convolutions are slower (measurements: docs/performance.md).
         compile_step: compile the local SGD step with ``torch.compile`` (first round slower).
         cuda_graphs: record each round's local training as a CUDA graph and replay it (None:
