@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from lightning_pfl.graphs import RoundGraphs
 from lightning_pfl.losses import weighted_mean
 
 Params = dict[str, Tensor]
+T = TypeVar("T")
 LossFn = Callable[[Params, Params, Tensor, Tensor, Tensor], Tensor | tuple[Tensor, Params]]
 
 
@@ -524,6 +526,45 @@ def _worker_pool(threads: int) -> ThreadPoolExecutor:
     return pool
 
 
+def map_clients(fn: Callable[[int], T], num_clients: int, threads: int) -> list[T]:
+    """``[fn(0), ..., fn(num_clients - 1)]`` spread over ``threads`` worker threads (CPU).
+
+    Each worker runs whole calls with one intra-op thread, so a call's result does not depend on
+    scheduling; small convolutions run several times faster per core this way than split
+    across cores, and the kernels release the GIL. Autocast, grad and inference mode are
+    thread-local: the caller's are entered in every worker. One client (or one thread) runs on
+    the calling thread, which keeps its intra-op threads.
+    """
+    if num_clients == 1 or threads == 1:
+        return [fn(c) for c in range(num_clients)]
+    autocast = torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu")
+    inference = torch.is_inference_mode_enabled()
+    grad = torch.is_grad_enabled()
+
+    def in_callers_modes(c: int) -> T:
+        with (
+            torch.inference_mode(inference),
+            torch.set_grad_enabled(grad),
+            torch.autocast("cpu", dtype=dtype, enabled=autocast),
+        ):
+            return fn(c)
+
+    return list(_worker_pool(min(threads, num_clients)).map(in_callers_modes, range(num_clients)))
+
+
+def predict_clients(
+    predict: Callable[[Params, Tensor], Tensor], params: Params, x: Tensor, threads: int
+) -> Tensor:
+    """``vmap(predict)(params, x)`` client by client on channels-last images, spread over
+    ``threads`` workers (:func:`map_clients`): evaluation's counterpart of the threaded loop."""
+
+    def one(c: int) -> Tensor:
+        return predict(_row(params, c), _channels_last(x[c]))
+
+    return torch.stack(map_clients(one, len(x), threads))
+
+
 def _threaded_rounds(
     step: Callable[..., tuple[Params, Params, Params, Tensor]],
     fetch: Callable[[Tensor], tuple[Tensor, Tensor]],
@@ -536,41 +577,23 @@ def _threaded_rounds(
     weight: Tensor,
     active: Tensor,
 ) -> tuple[Params, Params, Params, Tensor]:
-    """The sequential loop's math with clients spread over worker threads (CPU).
+    """The sequential loop's math with clients spread over worker threads (:func:`map_clients`).
 
-    Each worker trains whole clients, one after another: a client's steps run in order in one
-    thread with one intra-op thread, so its result does not depend on scheduling, and only the
-    steps it takes are computed (idle steps change nothing). A round of one client runs on the
-    calling thread, which keeps its intra-op threads. Small convolutions run several
-    times faster per core this way than split across cores, and the kernels release the GIL.
-    Autocast, grad and inference mode are thread-local: the caller's are entered in every
-    worker.
+    A client's steps run in order in one thread, and only the steps it takes are computed (idle
+    steps change nothing).
     """
-    num_clients = active.shape[0]
-    autocast = torch.is_autocast_enabled("cpu")
-    dtype = torch.get_autocast_dtype("cpu")
-    inference = torch.is_inference_mode_enabled()
-    grad = torch.is_grad_enabled()
     taken = active.cpu()
 
     def train_one(c: int) -> tuple[Params, Params, Params, Tensor]:
         p, m, st, fr = _row(params, c), _row(momentum, c), _row(state, c), _row(frozen, c)
         loss_sum = torch.zeros((), device=weight.device)
-        with (
-            torch.inference_mode(inference),
-            torch.set_grad_enabled(grad),
-            torch.autocast("cpu", dtype=dtype, enabled=autocast),
-        ):
-            for s in taken[c].nonzero().flatten().tolist():
-                x, y = fetch(index[c, s])
-                p, m, st, loss = step(p, m, st, fr, _channels_last(x), y, weight[c, s])
-                loss_sum = loss_sum + loss.float()
+        for s in taken[c].nonzero().flatten().tolist():
+            x, y = fetch(index[c, s])
+            p, m, st, loss = step(p, m, st, fr, _channels_last(x), y, weight[c, s])
+            loss_sum = loss_sum + loss.float()
         return p, m, st, loss_sum
 
-    if num_clients == 1:  # the calling thread, with all its intra-op threads
-        outs = [train_one(0)]
-    else:
-        outs = list(_worker_pool(min(threads, num_clients)).map(train_one, range(num_clients)))
+    outs = map_clients(train_one, active.shape[0], threads)
     return (
         {n: torch.stack([o[0][n] for o in outs]) for n in params},
         {n: torch.stack([o[1][n] for o in outs]) for n in momentum},

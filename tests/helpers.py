@@ -56,7 +56,8 @@ def assert_vectorized_equals_sequential(
     **method_kwargs: Any,
 ) -> None:
     """``rounds`` rounds client by client (the reference), vmapped and, for a deterministic
-    client step, with clients in two worker threads end in the same server and client state."""
+    client step, with clients in two worker threads end in the same server and client state,
+    and evaluate alike (a flipped argmax allowed per client)."""
     method_kwargs.setdefault("clients_per_round", 3)
 
     def trained(**path: Any) -> FederatedMethod:
@@ -70,7 +71,15 @@ def assert_vectorized_equals_sequential(
     if not reference.arch.stochastic:
         others["threads"] = trained(vectorize=False, client_threads=2)
     slow, slow_store = reference.state_dict(), reference.store.state_dict()
+    clients = torch.arange(num_clients - reference.hp.novel_clients)
+    with torch.inference_mode():
+        slow_eval = reference.evaluate(clients, "test")
     for path, method in others.items():
+        with torch.inference_mode():
+            correct, total, loss = method.evaluate(clients, "test")
+        torch.testing.assert_close(correct, slow_eval[0], rtol=0, atol=1, msg=f"{path}: correct")
+        assert torch.equal(total, slow_eval[1]), path
+        torch.testing.assert_close(loss, slow_eval[2], rtol=1e-4, atol=1e-4, msg=f"{path}: loss")
         fast, fast_store = method.state_dict(), method.store.state_dict()
         for name in fast:
             torch.testing.assert_close(

@@ -19,6 +19,7 @@ from lightning_pfl.engine import (
     _foreach_sgd_step,
     _sgd_step,
     cross_entropy_loss,
+    predict_clients,
     train_clients,
 )
 from lightning_pfl.errors import ConfigError
@@ -224,3 +225,14 @@ def test_fine_tuning_in_threads_under_inference_mode_matches_one_by_one() -> Non
     for name, tensor in tuned[0].items():
         assert not torch.equal(tensor, method.payload(torch.arange(4))[name]), name
         torch.testing.assert_close(tuned[1][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_threaded_prediction_equals_vmap() -> None:
+    arch = Architecture(LeNet5(in_channels=1, input_size=28))
+    params = {
+        n: t.unsqueeze(0) + 0.1 * torch.randn(3, *t.shape) for n, t in arch.initial_params().items()
+    }
+    x = torch.randn(3, 16, 1, 28, 28)
+    expected = torch.vmap(arch)(params, x)
+    for threads in (1, 2):
+        torch.testing.assert_close(predict_clients(arch, params, x, threads), expected)

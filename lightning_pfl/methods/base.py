@@ -32,6 +32,7 @@ from lightning_pfl.engine import (
     TrainResult,
     cross_entropy_loss,
     derive_seed,
+    predict_clients,
     train_clients,
     weighted_cross_entropy,
 )
@@ -657,15 +658,22 @@ class FederatedMethod(LightningModule, ABC):
 
     @torch.no_grad()
     def evaluate_clients(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`evaluate` for ``clients`` that share one network architecture (one vmap)."""
+        """:meth:`evaluate` for ``clients`` that share one network architecture: one vmap, or
+        on a CPU the clients in worker threads where training uses the threaded loop."""
         params = self.personalized_params(clients)
+        vectorize, threads = (
+            (True, 1) if self.network_groups() is not None else self.training_path(self.arch)
+        )
         batched_predict = vmap(self.predict)
         correct = torch.zeros(len(clients), device=self.device)
         total = torch.zeros_like(correct)
         loss_sum = torch.zeros_like(correct)
         for index, weight in self.data.eval_blocks(clients, split, self.hp.eval_batch_size):
             x, y = self.data.fetch(index)
-            logits = batched_predict(params, x).float()
+            if vectorize:
+                logits = batched_predict(params, x).float()
+            else:
+                logits = predict_clients(self.predict, params, x, threads).float()
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(
                 weight
             )
