@@ -661,8 +661,11 @@ class FederatedMethod(LightningModule, ABC):
         """:meth:`evaluate` for ``clients`` that share one network architecture: one vmap, or
         on a CPU the clients in worker threads where training uses the threaded loop."""
         params = self.personalized_params(clients)
+        world = self.trainer.world_size if self._trainer is not None else 1
         vectorize, threads = (
-            (True, 1) if self.network_groups() is not None else self.training_path(self.arch)
+            (True, 1)
+            if self.network_groups() is not None or self.device.type != "cpu"
+            else self.training_path(self.arch, world)
         )
         batched_predict = vmap(self.predict)
         correct = torch.zeros(len(clients), device=self.device)
