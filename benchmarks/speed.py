@@ -220,15 +220,6 @@ def round_runner(
     return one_round
 
 
-def time_rounds(
-    model: FederatedMethod, rounds: int, precision: str, device: str, path: str
-) -> tuple[float, float]:
-    """Seconds of the first round (warm-up, compilation, recording) and median of the next."""
-    one_round = round_runner(model, precision, device, path)
-    first = one_round(0)
-    return first, statistics.median(one_round(r) for r in range(1, rounds + 1))
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

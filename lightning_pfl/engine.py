@@ -104,6 +104,10 @@ class Architecture:
         self._initial = {name: t.detach().clone() for name, t in net.state_dict().items()}
         self._template = copy.deepcopy(net).to("meta")
         self._worker_templates: dict[int, nn.Module] = {}
+        # whether training-mode forwards draw random numbers (dropout)
+        self.stochastic = any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in net.modules()
+        )
 
     @property
     def template(self) -> nn.Module:
@@ -117,14 +121,6 @@ class Architecture:
         if module is None:
             module = self._worker_templates.setdefault(ident, copy.deepcopy(self._template))
         return module
-
-    @property
-    def stochastic(self) -> bool:
-        """Whether training-mode forwards draw random numbers (dropout)."""
-        return any(
-            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-            for m in self._template.modules()
-        )
 
     def step_flops(self, example: Tensor) -> int:
         """FLOPs of a training-mode forward and backward on a batch shaped like ``example``

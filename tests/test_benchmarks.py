@@ -17,7 +17,7 @@ def one_round(path: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = speed.build("FedAvg", num_clients=4, clients_per_round=3, args=args, path=path)
     before = {name: p.detach().clone() for name, p in model.net.named_parameters()}
-    speed.time_rounds(model, rounds=1, precision="32-true", device="cpu", path=path)
+    speed.round_runner(model, precision="32-true", device="cpu", path=path)(0)
     after = {name: p.detach().clone() for name, p in model.net.named_parameters()}
     assert all(not torch.equal(before[name], after[name]) for name in after), "did not train"
     return after

@@ -131,11 +131,11 @@ def test_step_flops_counts_forward_and_backward_on_meta() -> None:
         assert Architecture(net).step_flops(x) == counter.get_total_flops()
 
 
-def paths(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> tuple[bool, int]:
+def paths(monkeypatch: pytest.MonkeyPatch, world: int = 1, **kwargs: Any) -> tuple[bool, int]:
     monkeypatch.setattr(base, "usable_cores", lambda: 4)
     dm = digits_data(6)
     method = build(FedAvg, dm, **kwargs)
-    return method.training_path(method.arch)
+    return method.training_path(method.arch, world)
 
 
 def test_default_path_per_network_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,6 +150,8 @@ def test_default_path_per_network_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Non
     assert paths(monkeypatch, **big, vectorize=True) == (True, 1)
     assert paths(monkeypatch, **big, vectorize=False) == (False, 1)
     assert paths(monkeypatch, vectorize=False, client_threads=2) == (False, 2)
+    assert paths(monkeypatch, world=2, **big) == (True, 1)  # DDP ranks: one thread, vmap
+    assert paths(monkeypatch, world=2, **big, vectorize=False, client_threads=3) == (False, 1)
 
 
 def test_dropout_networks_train_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
