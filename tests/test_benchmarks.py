@@ -133,18 +133,31 @@ def test_methods_table_has_a_row_per_digits_result_with_bytes_per_sampled_client
     results, configs = repo / "benchmarks/results/digits", repo / "configs/digits"
     lines = methods_table.render(results, configs).splitlines()
     assert lines[0] == methods_table.HEADER
+    assert lines[1].count("|") == lines[0].count("|")
     rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ") for line in lines[2:]}
     assert sorted(rows) == sorted(p.stem for p in results.glob("*.json"))
     for name, cells in rows.items():
         row = methods_table.seed_row(json.loads((results / f"{name}.json").read_text()))
         assert (row["split"], row["seed"]) == ("pathological", 0)
-        clients = int(cells[2])
-        assert cells[3] == str(row["rounds"])
-        assert cells[4] == f"{round(row['comm_bytes_total'] / (row['rounds'] * clients)):,}"
-    assert rows["fedavg"][2:5] == ["5", "150", "109,648"]
+        assert cells[2:4] == list(methods_table.ABOUT[name])
+        clients = int(cells[4])
+        assert cells[5] == str(row["rounds"])
+        assert cells[6] == f"{round(row['comm_bytes_total'] / (row['rounds'] * clients)):,}"
+    assert rows["fedavg"][4:7] == ["5", "150", "109,648"]
+    assert rows["fedper"][3] == "the classifier head"
     # the formula on a hand-made row: 3,000 bytes over 2 rounds of 3 clients
     row = {"class": "X", "rounds": 2, "comm_bytes_total": 3000.0}
-    assert methods_table.table_row("x", row, 3, "t") == "| x | `X` | 3 | 2 | 500 | t |"
+    line = methods_table.table_row("x", row, 3, "t", ("P", "head"))
+    assert line == "| x | `X` | P | head | 3 | 2 | 500 | t |"
+
+
+def test_methods_table_refuses_a_result_without_paper_and_personalization(tmp_path: Path) -> None:
+    from benchmarks import methods_table
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "brand_new.json").write_text("{}")
+    with pytest.raises(KeyError, match="brand_new: add its paper"):
+        methods_table.render(tmp_path, repo / "configs/digits")
 
 
 def test_mh_trained_vs_generated_records_every_visit_without_changing_training(
