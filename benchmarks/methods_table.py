@@ -53,7 +53,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "fedavg_ft": ("FedAvg + fine-tuning", "nothing kept; fine-tuned before evaluation"),
     "fedbn": ("Li et al., ICLR 2021", "batch-norm layers and statistics"),
     "fedfomo": ("Zhang et al., ICLR 2021", "the whole model"),
-    "fedgh": ("Yi et al., ACM MM 2023", "the whole model but the global header"),
+    "fedgh": ("Yi et al., ACM MM 2023", "the whole model (header tuned from the global one)"),
     "fedpac": ("Xu, Tong & Huang, ICLR 2023", "the classifier head (server-combined)"),
     "fedper": ("Arivazhagan et al., 2019", "the classifier head"),
     "fedphp": ("Li et al., ECML-PKDD 2021", "a history model (moving average)"),
@@ -85,7 +85,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "pfedhn_budgets": ("Shamsian et al., ICML 2021", "the embedding; S/M/L models generated"),
     "pfedhn_pc": ("Shamsian et al., ICML 2021", "the embedding and the classifier head"),
     "pfedkt": ("Yi et al., Knowl.-Based Syst. 2024", "a local hypernetwork (private model)"),
-    "pfedla": ("Ma et al., CVPR 2022", "layer-wise aggregation weights (server HN)"),
+    "pfedla": ("Ma et al., CVPR 2022", "layer-wise mixing weights over clients (server HN)"),
     "pfedlhn": ("Zhu et al., Neural Process. Lett. 2023", "the embedding; the model is generated"),
     "pfedme": ("Dinh, Tran & Nguyen, NeurIPS 2020", "theta_i, the Moreau-envelope solution"),
 }
