@@ -128,15 +128,15 @@ def table_row(
 def render(results: Path, configs: Path, seed_tables: dict[str, str] | None = None) -> str:
     """The markdown table, one row per result file in ``results``, in file-name order."""
     seed_tables = SEED_TABLES if seed_tables is None else seed_tables
-    lines = [HEADER, "|---|---|---|---|---|---|---|---|"]
+    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
     for path in sorted(results.glob("*.json")):
         name = path.stem
         if name not in ABOUT:
             raise KeyError(f"{name}: add its paper and what it personalizes to ABOUT in {__file__}")
         row = seed_row(json.loads(path.read_text()))
         config = yaml.safe_load((configs / f"{name}.yaml").read_text())
-        seed = seed_tables.get(name, NOT_CHECKED)
-        lines.append(table_row(name, row, clients_per_round(config), seed, ABOUT[name]))
+        tables = seed_tables.get(name, NOT_CHECKED)
+        lines.append(table_row(name, row, clients_per_round(config), tables, ABOUT[name]))
     return "\n".join(lines)
 
 
