@@ -54,6 +54,18 @@ def test_zoo_networks_build_for_every_input_shape(name: str) -> None:
         assert net(torch.randn(2, *shape), features_only=True).dim() == 2
 
 
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_networks_logits_depend_on_the_input_at_init(name: str) -> None:
+    # With PyTorch's default layer init VGG-8's logits vary over inputs by ~1e-4 and
+    # SqueezeNet's by ~1e-8 of the inputs' spread (a constant prediction); see he_init.
+    for seed in range(3):
+        torch.manual_seed(seed)
+        net = build_network(name, (3, 32, 32), 10)
+        with torch.no_grad():
+            spread = net(torch.randn(128, 3, 32, 32)).std(0).mean()
+        assert spread > 1e-3, (name, seed, float(spread))
+
+
 def test_zoo_sizes_follow_the_paper_on_cifar100() -> None:
     # LeNet-style: conv 3->16, conv 16->32, fc 2048->108->64->100
     cnn = build_network("zoo_cnn", (3, 32, 32), 100)

@@ -37,6 +37,24 @@ from torch import Tensor, nn
 from lightning_pfl.models.targets import InputShape, TargetNetwork, register_network
 
 
+def he_init(layers: Sequence[nn.Conv2d | nn.Linear]) -> None:
+    """He initialization (normal, fan-in, gain sqrt(2)) and zero biases for ReLU ``layers``.
+
+    Deep ReLU networks without normalization need it (torchvision's VGG and SqueezeNet use it
+    too): PyTorch's default layer init (weight variance 1/(3 fan-in)) shrinks the input's
+    signal ~2.5x per layer, so at init the logits of the eight-layer VGG-8 vary over inputs by
+    ~1e-4 of the input's spread and SqueezeNet's by ~1e-8: the network predicts a constant and
+    local SGD has almost no gradient to leave it with. Hypernetworks whose outputs are in units
+    of the initialization (:class:`~lightning_pfl.models.multihead_hypernetwork.FlatCodec`)
+    would generate models at that scale too. Networks with batch norm (the ResNets) or of a few
+    layers (LeNet-style CNN, MLP) keep PyTorch's default.
+    """
+    for layer in layers:
+        nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+        if layer.bias is not None:
+            nn.init.zeros_(layer.bias)
+
+
 def _conv_side(size: int, pools: int) -> int:
     for _ in range(pools):
         size //= 2
@@ -91,7 +109,8 @@ class ZooMLP(TargetNetwork):
 
 class VGG8(TargetNetwork):
     """Simplified VGG-8: three pairs of 3x3 convs (c, c, 2c, 2c, 4c, 4c) each followed by a
-    2x2 max pool, then fc -> h1 -> h2 -> C (c = 16, hidden (180, 64) in the paper)."""
+    2x2 max pool, then fc -> h1 -> h2 -> C (c = 16, hidden (180, 64) in the paper). No
+    normalization, so the convs and hidden fc layers start from :func:`he_init`."""
 
     classifier_name = "fc3"
 
@@ -114,6 +133,7 @@ class VGG8(TargetNetwork):
         self.fc1 = nn.Linear(previous * side * side, hidden[0])
         self.fc2 = nn.Linear(hidden[0], hidden[1])
         self.fc3 = nn.Linear(hidden[1], num_classes)
+        he_init([*self.convs, self.fc1, self.fc2])
 
     def features(self, x: Tensor) -> Tensor:
         for i, conv in enumerate(self.convs):
@@ -200,7 +220,8 @@ SQUEEZENET_LAYOUTS: dict[str, list[Any]] = {
 
 
 class SqueezeNet(TargetNetwork):
-    """SqueezeNet 1.0 / 1.1 (Iandola et al.); ``width`` scales every channel count."""
+    """SqueezeNet 1.0 / 1.1 (Iandola et al.); ``width`` scales every channel count. No
+    normalization, so every conv starts from :func:`he_init`."""
 
     classifier_name = "fc"
 
@@ -236,6 +257,7 @@ class SqueezeNet(TargetNetwork):
                 previous = 2 * w(expand)
         self.layers = nn.Sequential(*layers)
         self.fc = nn.Linear(previous, num_classes)
+        he_init([m for m in self.modules() if isinstance(m, nn.Conv2d)])
 
     def features(self, x: Tensor) -> Tensor:
         return self.layers(F.relu(self.stem(x))).mean((-2, -1))
