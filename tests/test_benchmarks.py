@@ -224,3 +224,11 @@ def test_mh_trained_vs_generated_summary_on_hand_rows() -> None:
     }
     assert summary["rounds 2-3"]["generated_before"] == 0.625
     assert summary["rounds 2-3"]["between_visits"] == 0.125
+
+
+def test_init_spread_tells_he_init_from_pytorch_default_on_vgg8() -> None:
+    from benchmarks.init_spread import logit_spread
+
+    zoo = logit_spread("vgg8", (1, 28, 28), "zoo", seed=0, batch=32)
+    default = logit_spread("vgg8", (1, 28, 28), "pytorch_default", seed=0, batch=32)
+    assert zoo > 1e-2 > 1e-3 > default > 0, (zoo, default)
