@@ -9,6 +9,11 @@ Workloads (``--workload``):
   (1x8x8) images, ``--steps`` local steps of batch ``--batch`` per client, as ``cifar_cnn``.
 - ``lenet5_mnist``: LeNet-5 on random MNIST-shaped (1x28x28) images, one local epoch of
   ``--batches-per-epoch`` batches of ``--batch`` per client (FedAvg's usual local work).
+- ``cifar_vit``: FedTP's ViT (``net: vit``: patch 4, dim 128, 8 heads, depth 8, dropout 0.1) on
+  random CIFAR-shaped images, ``--steps`` local steps of batch ``--batch`` per client; for
+  ``--methods FedTP`` (a FedTP round: the hypernetwork generates every sampled client's qkv
+  weights, local training, FedAvg of the rest and the hypernetwork step). The ViT has dropout,
+  so the ``threaded`` path (deterministic steps only) is skipped for it.
 
 Paths (``--paths``): ``reference`` is what the popular PFL libraries do: one ``nn.Module``
 per client with ``torch.optim.SGD``, clients one after another (FedAvg only). The engine's
@@ -56,12 +61,17 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.datasets.registry import DATASETS, DatasetArrays, DatasetSpec
-from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN
+from lightning_pfl.methods import FedAvg, FederatedMethod, FedTP, Local, PFedHN
 from lightning_pfl.methods.base import usable_cores
 from lightning_pfl.models import build_network
 from lightning_pfl.partition import IID
 
-METHODS: dict[str, type[FederatedMethod]] = {"FedAvg": FedAvg, "pFedHN": PFedHN, "Local": Local}
+METHODS: dict[str, type[FederatedMethod]] = {
+    "FedAvg": FedAvg,
+    "pFedHN": PFedHN,
+    "Local": Local,
+    "FedTP": FedTP,
+}
 ENGINE_PATHS = [
     "default",
     "sequential",
@@ -78,6 +88,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "cifar_cnn": {"net": "cnn", "shape": (3, 32, 32)},
     "lenet5_mnist": {"net": "lenet5", "shape": (1, 28, 28)},
     "digits_cnn": {"net": "digits_cnn", "shape": (1, 8, 8)},
+    "cifar_vit": {"net": "vit", "shape": (3, 32, 32), "dropout": True},
 }
 
 
@@ -130,7 +141,8 @@ def build(
     )
     data.setup()
     data.to(torch.device(args.device))
-    epochs: dict[str, Any] = {"local_epochs": 1} if args.workload == "lenet5_mnist" else {}
+    # local_epochs None: FedTP defaults to 5 epochs; here every workload but LeNet-5 counts steps
+    epochs: dict[str, Any] = {"local_epochs": 1 if args.workload == "lenet5_mnist" else None}
     model = METHODS[method](
         num_clients=num_clients,
         num_classes=10,
@@ -398,6 +410,7 @@ def main() -> None:
             if (path != "reference" or method == "FedAvg")
             and ("graphs" not in path or args.device == "cuda")
             and (path != "threaded" or args.device == "cpu")
+            and (path != "threaded" or not WORKLOADS[args.workload].get("dropout"))
         ]
         for cpr in args.clients:
             for precision in args.precisions:
