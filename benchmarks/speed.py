@@ -61,8 +61,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.datasets.registry import DATASETS, DatasetArrays, DatasetSpec
-from lightning_pfl.methods import FedAvg, FederatedMethod, FedTP, Local, PFedHN
+from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN
 from lightning_pfl.methods.base import usable_cores
+from lightning_pfl.methods.fedtp import FedTP
 from lightning_pfl.models import build_network
 from lightning_pfl.partition import IID
 

@@ -31,6 +31,16 @@ def test_the_reference_loop_trains_the_same_model_as_the_engine(path: str) -> No
         torch.testing.assert_close(engine[name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_speed_times_a_fedtp_round_that_trains_its_generated_qkv() -> None:
+    args = argparse.Namespace(device="cpu", workload="cifar_vit", batch=4, steps=1)
+    model = speed.build("FedTP", num_clients=3, clients_per_round=1, args=args, path="default")
+    before = {n: t.clone() for n, t in model.hnet.state_dict().items()}
+    seconds = speed.round_runner(model, precision="32-true", device="cpu", path="default")(0)
+    assert seconds > 0
+    after = model.hnet.state_dict()
+    assert any(not torch.equal(before[n], after[n]) for n in after), "HN step did not run"
+
+
 def test_speed_writes_json_that_the_report_renders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
