@@ -25,17 +25,9 @@ from torch import nn
 
 from benchmarks.accuracy import environment
 from lightning_pfl.models.targets import build_network
+from lightning_pfl.models.zoo import ZOO_NETWORKS
 
-NETWORKS = (
-    "zoo_cnn",
-    "zoo_mlp",
-    "vgg8",
-    "resnet10",
-    "resnet12",
-    "resnet18",
-    "squeezenet1_0",
-    "squeezenet1_1",
-)
+NETWORKS = tuple(ZOO_NETWORKS)
 SHAPES = ((1, 28, 28), (3, 32, 32), (3, 64, 64))
 Init = Literal["zoo", "pytorch_default"]
 

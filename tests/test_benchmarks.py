@@ -41,6 +41,18 @@ def test_speed_times_a_fedtp_round_that_trains_its_generated_qkv() -> None:
     assert any(not torch.equal(before[n], after[n]) for n in after), "HN step did not run"
 
 
+def test_speed_skips_the_threaded_path_for_a_network_with_dropout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "speed.json"
+    argv = ["speed", "--device", "cpu", "--workload", "cifar_vit", "--methods", "FedTP"]
+    argv += ["--clients", "1", "--num-clients", "2", "--steps", "1", "--batch", "4"]
+    argv += ["--rounds", "1", "--precisions", "32-true", "--paths", "default", "threaded"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    speed.main()
+    assert [row["path"] for row in json.loads(out.read_text())["rows"]] == ["default"]
+
+
 def test_speed_writes_json_that_the_report_renders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -23,6 +23,7 @@ from lightning_pfl.models.multihead_hypernetwork import (
     MultiHeadHyperNetwork,
     slots_needed,
 )
+from lightning_pfl.models.zoo import ZOO_NETWORKS
 from tests.conftest import build, digits_data
 from tests.helpers import (
     CONF,
@@ -32,16 +33,7 @@ from tests.helpers import (
     cli,
 )
 
-ZOO = [
-    "zoo_cnn",
-    "zoo_mlp",
-    "vgg8",
-    "resnet10",
-    "resnet12",
-    "resnet18",
-    "squeezenet1_0",
-    "squeezenet1_1",
-]
+ZOO = list(ZOO_NETWORKS)
 ROOT = Path(__file__).parents[1]
 SHAPES = [((1, 8, 8), 10), ((1, 28, 28), 62), ((3, 32, 32), 100), ((3, 64, 64), 200)]
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pfl.models.targets import InputShape, TargetNetwork, register_network
+from lightning_pfl.models.targets import Derived, InputShape, TargetNetwork, register_network
 
 
 def he_init(layers: Sequence[nn.Conv2d | nn.Linear]) -> None:
@@ -335,11 +335,15 @@ class SqueezeNet11(SqueezeNet):
         super().__init__(in_channels, num_classes, input_size, "1_1", width)
 
 
-register_network("zoo_cnn", ZooCNN, _image)
-register_network("zoo_mlp", ZooMLP, _flat)
-register_network("vgg8", VGG8, _image)
-register_network("resnet10", ResNet10, _channels)
-register_network("resnet12", ResNet12, _channels)
-register_network("resnet18", ResNet18, _channels)
-register_network("squeezenet1_0", SqueezeNet10, _image)
-register_network("squeezenet1_1", SqueezeNet11, _image)
+ZOO_NETWORKS: dict[str, tuple[type[nn.Module], Derived]] = {
+    "zoo_cnn": (ZooCNN, _image),
+    "zoo_mlp": (ZooMLP, _flat),
+    "vgg8": (VGG8, _image),
+    "resnet10": (ResNet10, _channels),
+    "resnet12": (ResNet12, _channels),
+    "resnet18": (ResNet18, _channels),
+    "squeezenet1_0": (SqueezeNet10, _image),
+    "squeezenet1_1": (SqueezeNet11, _image),
+}
+for _name, (_cls, _derived) in ZOO_NETWORKS.items():
+    register_network(_name, _cls, _derived)
