@@ -156,7 +156,7 @@ def test_standardized_heads_and_codec_roundtrip() -> None:
     codec = FlatCodec(arch.initial_params())
     assert codec.count == sum(p.numel() for p in net.parameters())
     hnet = MultiHeadHyperNetwork([codec.count], output_size=512, hidden_dim=16)
-    flat = hnet([0])
+    flat = hnet([0]).detach()
     assert abs(float(flat.mean())) < 0.2 and abs(float(flat.std()) - 1) < 0.2
     params = codec.to_params(flat)
     assert list(params) == list(arch.shapes)  # the client's fixed parameter order
