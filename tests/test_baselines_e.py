@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import (
@@ -22,7 +24,11 @@ from lightning_pfl.methods import (
     PFedLHN,
 )
 from lightning_pfl.methods.fedgh import train_header
-from lightning_pfl.methods.pfedgp import gp_negative_log_likelihood, gp_posterior_mean
+from lightning_pfl.methods.pfedgp import (
+    gp_negative_log_likelihood,
+    gp_posterior_mean,
+    rbf_kernel,
+)
 from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork
 from tests.conftest import build, digits_data, fit
 from tests.helpers import (
@@ -406,6 +412,32 @@ def test_pfedgp_posterior_mean_and_likelihood_match_the_closed_form() -> None:
     torch.testing.assert_close(
         gp_negative_log_likelihood(zp, yp, wp, 3, ell, s2), -log_likelihood / 5
     )
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the element count of the largest tensor any operator returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_pfedgp_kernel_never_materializes_pairwise_differences() -> None:
+    a, b = torch.randn(2, 30, 16, dtype=torch.float64), torch.randn(2, 20, 16, dtype=torch.float64)
+    with LargestOutput() as largest:
+        k = rbf_kernel(a, b, 0.7)
+    assert largest.numel <= 2 * 30 * 20  # [C, N, M]; broadcasting makes [C, N, M, d] (19,200)
+    direct = torch.exp(-((a[:, :, None] - b[:, None]) ** 2).sum(-1) / (2 * 0.7**2))
+    torch.testing.assert_close(k, direct)
+    diagonal = torch.diagonal(rbf_kernel(a, a, 0.7), dim1=-2, dim2=-1)
+    torch.testing.assert_close(diagonal, torch.ones_like(diagonal))  # rounding stays at ~1e-15
 
 
 def test_pfedgp_predicts_with_each_clients_own_gp_and_shares_only_the_extractor() -> None:

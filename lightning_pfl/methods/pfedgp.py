@@ -14,9 +14,14 @@ from lightning_pfl.validation import PositiveFloat
 
 
 def rbf_kernel(a: Tensor, b: Tensor, lengthscale: float) -> Tensor:
-    """k(a, b) = exp(-||a - b||^2 / (2 l^2)) for rows of ``a [N, d]`` and ``b [M, d]``."""
-    sq = (a.unsqueeze(-2) - b.unsqueeze(-3)).pow(2).sum(-1)
-    return torch.exp(-0.5 * sq / lengthscale**2)
+    """k(a, b) = exp(-||a - b||^2 / (2 l^2)) for rows of ``a [N, d]`` and ``b [M, d]``.
+
+    ||a - b||^2 is expanded as ||a||^2 + ||b||^2 - 2 a.b, so memory is O(N M), not the
+    O(N M d) of broadcasting the differences (44 GB for 50 FashionMNIST clients of ~1,150
+    points each in one evaluation chunk).
+    """
+    sq = a.pow(2).sum(-1).unsqueeze(-1) + b.pow(2).sum(-1).unsqueeze(-2) - 2 * a @ b.mT
+    return torch.exp(-0.5 * sq.clamp_min(0) / lengthscale**2)
 
 
 def masked_gram(z: Tensor, weight: Tensor, lengthscale: float, noise: float) -> Tensor:
