@@ -18,6 +18,11 @@ Settings (``--setting``), each a folder of configs, one per method:
 - ``digits_100clients``: ``configs/digits_100clients/*.yaml``, the same protocol on digits with
   100 clients (no download).
 
+Every row also records the accuracy of the trivial personalized classifier on the same split:
+each client predicts the most frequent class of its own training data for every test sample
+(``test_acc_majority_class``, mean over clients, and ``test_acc_weighted_majority_class``), the
+floor a personalized method has to clear on that split.
+
 Every row also records the training stability: the largest per-round mean local loss after round
 100 (``train_loss_max_after_100``) and the number of those rounds above 5
 (``rounds_loss_above_5_after_100``), read from the run's TensorBoard ``train/loss``.
@@ -45,6 +50,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -112,7 +118,21 @@ def run_one(config: Path, extra: list[str], log_dir: Path, name: str) -> dict[st
     with open(run_dir / "results.json") as f:
         result: dict[str, Any] = json.load(f)
     result["stability"] = training_stability(run_dir)
+    result["majority_class"] = majority_class_accuracy(cli.datamodule.partition_counts())
     return result
+
+
+def majority_class_accuracy(counts: dict[str, np.ndarray]) -> dict[str, float]:
+    """Test accuracy when each client predicts the most frequent class of its training split.
+
+    ``counts``: client x class sample counts per split (``partition_counts()``). Returns the
+    mean over clients with test samples (``acc``) and the sample-weighted one.
+    """
+    train, test = np.asarray(counts["train"]), np.asarray(counts["test"])
+    has_test = test.sum(1) > 0
+    hits = test[np.arange(len(test)), train.argmax(1)][has_test]
+    sizes = test.sum(1)[has_test]
+    return {"acc": float((hits / sizes).mean()), "acc_weighted": float(hits.sum() / sizes.sum())}
 
 
 def training_stability(run_dir: Path, after: int = 100, threshold: float = 5.0) -> dict[str, Any]:
@@ -150,6 +170,8 @@ def summarize(
         },
         "seconds_per_round": result["seconds_per_round"],
         "comm_bytes_total": result["comm_bytes_down_total"] + result["comm_bytes_up_total"],
+        "test_acc_majority_class": result["majority_class"]["acc"],
+        "test_acc_weighted_majority_class": result["majority_class"]["acc_weighted"],
         **result["stability"],
         **({"novel_clients": result["novel_clients"]} if "novel_clients" in result else {}),
     }

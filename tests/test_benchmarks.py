@@ -3,6 +3,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,17 +112,30 @@ def test_accuracy_rows_keep_each_client_groups_accuracy_and_the_report_averages_
             "comm_bytes_down_total": 0.0,
             "comm_bytes_up_total": 0.0,
             "stability": {},
+            "majority_class": {"acc": 0.5, "acc_weighted": 0.4},
         }
 
     rows = [summarize("mh", "pathological", s, result(a), "abc") for s, a in ((0, 0.9), (1, 0.7))]
     assert rows[0]["test_group_acc_at_best_val"] == {"arch_cnn": 0.9, "arch_res": 0.5}
     assert rows[0]["val_acc_at_best"] == 0.85  # the accuracy the best round was chosen by
+    assert rows[0]["test_acc_majority_class"] == 0.5
     table = report.group_table([{"rows": rows}])
     assert "| pathological | mh | 2 | arch_cnn 80.00 ± 10.00, arch_res 50.00 ± 0.00 |" in table
     assert report.group_table([{"rows": [{**rows[0], "test_group_acc_at_best_val": {}}]}]) == ""
     # seeds of different lengths are shown as such, not averaged as if they were one protocol
     mixed = report.accuracy_table([{"rows": [rows[0], {**rows[1], "rounds": 150}]}])
     assert "| pathological | mh | 2 | 2, 150 |" in mixed
+
+
+def test_majority_class_floor_predicts_each_clients_most_frequent_training_class() -> None:
+    from benchmarks.accuracy import majority_class_accuracy
+
+    train = np.array([[5, 1, 0], [0, 2, 3], [1, 0, 0]])
+    # client 0 predicts class 0 (3 of 4 right), client 1 class 2 (1 of 5: its test majority
+    # is class 1, which the floor cannot know), client 2 has no test samples and is skipped
+    test = np.array([[3, 1, 0], [0, 4, 1], [0, 0, 0]])
+    floor = majority_class_accuracy({"train": train, "val": train, "test": test})
+    assert floor == pytest.approx({"acc": (3 / 4 + 1 / 5) / 2, "acc_weighted": 4 / 9})
 
 
 def test_comparison_table_lists_methods_by_split_with_differences_to_the_references() -> None:
