@@ -34,7 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pfl.models.targets import Derived, InputShape, TargetNetwork, register_network
+from lightning_pfl.models.targets import (
+    Derived,
+    TargetNetwork,
+    _channels,
+    _flat,
+    _image,
+    register_network,
+)
 
 
 def he_init(layers: Sequence[nn.Conv2d | nn.Linear]) -> None:
@@ -261,21 +268,6 @@ class SqueezeNet(TargetNetwork):
 
     def features(self, x: Tensor) -> Tensor:
         return self.layers(F.relu(self.stem(x))).mean((-2, -1))
-
-
-def _image(shape: InputShape, num_classes: int) -> dict[str, Any]:
-    return {"in_channels": shape[0], "num_classes": num_classes, "input_size": shape[-1]}
-
-
-def _channels(shape: InputShape, num_classes: int) -> dict[str, Any]:
-    return {"in_channels": shape[0], "num_classes": num_classes}
-
-
-def _flat(shape: InputShape, num_classes: int) -> dict[str, Any]:
-    size = 1
-    for s in shape:
-        size *= s
-    return {"in_features": size, "num_classes": num_classes}
 
 
 class ResNet10(ResNet):
