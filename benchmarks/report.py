@@ -81,6 +81,33 @@ def group_table(files: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def floor_table(files: list[dict[str, Any]]) -> str:
+    """The majority-class floor of each split (every client predicts the most frequent class of
+    its own training data), mean ± std over the seeds whose rows carry it; the floor depends on
+    the split and seed only, so each (split, seed) counts once. Empty when no row carries it."""
+    floors: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
+    for result in files:
+        for row in result["rows"]:
+            if row.get("test_acc_majority_class") is not None:
+                floors[row["split"]][row["seed"]] = (
+                    row["test_acc_majority_class"],
+                    row["test_acc_weighted_majority_class"],
+                )
+    if not floors:
+        return ""
+    lines = [
+        "| split | seeds | majority-class floor, mean over clients (%) | sample-weighted (%) |",
+        "|---|---|---|---|",
+    ]
+    for split, by_seed in sorted(floors.items()):
+        values = list(by_seed.values())
+        lines.append(
+            f"| {split} | {len(values)} | {_mean_std([v[0] for v in values])} "
+            f"| {_mean_std([v[1] for v in values])} |"
+        )
+    return "\n".join(lines)
+
+
 def comparison_table(
     files: list[dict[str, Any]], rounds: int, references: tuple[str, ...] = ("fedavg", "local")
 ) -> str:
@@ -177,6 +204,9 @@ def main() -> None:
             print()
             if groups := group_table(files):
                 print(groups)
+                print()
+            if floors := floor_table(files):
+                print(floors)
                 print()
             if args.compare_rounds is not None:
                 print(comparison_table(files, args.compare_rounds))

@@ -138,6 +138,28 @@ def test_majority_class_floor_predicts_each_clients_most_frequent_training_class
     assert floor == pytest.approx({"acc": (3 / 4 + 1 / 5) / 2, "acc_weighted": 4 / 9})
 
 
+def test_floor_table_counts_each_split_and_seed_once_and_skips_rows_without_a_floor() -> None:
+    def row(method: str, split: str, seed: int, floor: float | None) -> dict:
+        row = {"method": method, "split": split, "seed": seed}
+        if floor is None:
+            return row
+        return row | {
+            "test_acc_majority_class": floor,
+            "test_acc_weighted_majority_class": floor / 2,
+        }
+
+    rows = [
+        row("local", "dirichlet", 0, 0.4),
+        row("fedavg", "dirichlet", 0, 0.4),  # same split and seed: not a second sample
+        row("local", "dirichlet", 1, 0.6),
+        row("local", "pathological", 0, None),  # an old row without the field
+    ]
+    table = report.floor_table([{"rows": rows}])
+    assert "| dirichlet | 2 | 50.00 ± 10.00 | 25.00 ± 5.00 |" in table.splitlines()
+    assert "pathological" not in table
+    assert report.floor_table([{"rows": rows[3:]}]) == ""
+
+
 def test_comparison_table_lists_methods_by_split_with_differences_to_the_references() -> None:
     def row(method: str, split: str, seed: int, acc: float, rounds: int = 150) -> dict:
         return {"method": method, "split": split, "seed": seed, "rounds": rounds,
