@@ -401,6 +401,38 @@ class FederatedDataModule(LightningDataModule):
             positions = positions.expand(len(clients), -1)
             yield idx.lookup(clients, positions), (positions < counts.view(-1, 1)).float()
 
+    def ragged_eval_blocks(
+        self, clients: Tensor, split: Split, block: int, levels: int = 16
+    ) -> Iterator[tuple[int, Tensor, Tensor]]:
+        """:meth:`eval_blocks` without most of the padding of unequal clients.
+
+        ``clients`` must come in descending order of their sample count in ``split``. Yields
+        ``(k, index [k, b], weight [k, b])``: the positions ``[start, start + b)`` of the first
+        ``k`` clients, the ones holding more than ``start`` samples. Blocks end at the sample
+        counts of ``levels`` evenly spaced ranks (and at most ``block`` apart), so a client is
+        padded only up to the next such count instead of up to the largest client: on a
+        Dirichlet(0.3) split of FashionMNIST over 100 clients, 1.09x the real samples with 16
+        levels against 2.84x.
+        """
+        idx = self.index[split]
+        counts = idx.counts[clients]
+        if len(clients) == 0:
+            return
+        host = counts.tolist()
+        if any(a < b for a, b in zip(host, host[1:], strict=False)):
+            raise ValueError("ragged_eval_blocks needs clients in descending order of samples")
+        ranks = {min(len(host) - 1, len(host) * level // levels) for level in range(levels)}
+        ends = sorted({host[rank] for rank in ranks} - {0})
+        start = 0
+        for end in ends:
+            while start < end:
+                stop = min(start + block, end)
+                k = sum(count > start for count in host)
+                positions = torch.arange(start, stop, device=self.device).expand(k, -1)
+                weight = (positions < counts[:k].view(-1, 1)).float()
+                yield k, idx.lookup(clients[:k], positions), weight
+                start = stop
+
     def client_chunks(self) -> list[Tensor]:
         """This rank's share of all clients, in chunks of ``eval_clients_per_batch``."""
         rank, world = 0, 1

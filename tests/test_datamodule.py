@@ -120,3 +120,23 @@ def test_channel_stats_in_chunks_equal_the_direct_computation() -> None:
     xf = x[index].float() / 255
     torch.testing.assert_close(mean, xf.mean([0, 2, 3]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(std, xf.std([0, 2, 3]), rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_eval_blocks_cover_each_clients_samples_once_with_little_padding() -> None:
+    dm = digits_data(8, partition=Dirichlet(0.3, min_samples=5))
+    counts = dm.num_samples("test")
+    clients = counts.argsort(descending=True, stable=True)
+    assert int(counts.max()) > 2 * int(counts.min()), "the test needs unequal clients"
+    seen: list[list[int]] = [[] for _ in clients]
+    computed = 0
+    for k, index, weight in dm.ragged_eval_blocks(clients, "test", block=16, levels=4):
+        assert index.shape == weight.shape and index.shape[0] == k and index.shape[1] <= 16
+        computed += index.numel()
+        for row in range(k):
+            seen[row] += index[row][weight[row] > 0].tolist()
+    for row, client in enumerate(clients.tolist()):
+        assert sorted(seen[row]) == sorted(dm._parts["test"][client].tolist())
+    padded = sum(index.numel() for index, _ in dm.eval_blocks(clients, "test", 16))
+    assert computed < padded
+    with pytest.raises(ValueError, match="descending"):
+        next(dm.ragged_eval_blocks(clients.flip(0), "test", 16))

@@ -232,3 +232,22 @@ def test_hypernetwork_features_have_the_reference_mean_square() -> None:
 def test_methods_whose_math_needs_no_batch_norm_refuse_it_at_construction(name: str) -> None:
     with pytest.raises(ConfigError, match="use a network without batch norm"):
         build(getattr(methods, name), digits_data(6), net_args={"batch_norm": True})
+
+
+def test_evaluation_of_unequal_clients_equals_each_clients_own_prediction() -> None:
+    """The ragged blocks (clients reordered by sample count) give each client its own numbers."""
+    from lightning_pfl.partition import Dirichlet
+
+    dm = digits_data(6, partition=Dirichlet(0.3, min_samples=5))
+    method = build(Local, dm, eval_batch_size=7)
+    fit(method, dm, rounds=2)
+    clients = torch.tensor([4, 0, 5, 2])
+    correct, total, loss = method.evaluate(clients, "test")
+    params = method.personalized_params(clients)
+    for row, client in enumerate(clients.tolist()):
+        x, y = dm.fetch(torch.as_tensor(dm._parts["test"][client]))
+        logits = method.predict({k: v[row] for k, v in params.items()}, x)
+        assert int(total[row]) == len(y)
+        assert int(correct[row]) == int((logits.argmax(-1) == y).sum())
+        expected = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+        torch.testing.assert_close(loss[row], expected, rtol=1e-4, atol=1e-4)

@@ -133,7 +133,8 @@ class FederatedMethod(LightningModule, ABC):
             None, 1 when it is False. Used only where the client step is deterministic (no
             dropout), not compiled and in one process; elsewhere, and with 1, clients train
             one by one (``vectorize: false, client_threads: 1`` is the reference path).
-        eval_batch_size: samples per client per evaluation block.
+        eval_batch_size: most samples per client per evaluation block (clients of unequal
+            size are grouped by sample count, :meth:`FederatedDataModule.ragged_eval_blocks`).
         select_metric: validation metric that picks the best round: ``acc`` (mean over
             clients, the pFedHN paper's formula) or ``acc_weighted`` (pooled, its code's).
         offload_client_state: keep per-client state in pinned CPU memory.
@@ -660,7 +661,6 @@ class FederatedMethod(LightningModule, ABC):
     def evaluate_clients(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`evaluate` for ``clients`` that share one network architecture: one vmap, or
         on a CPU the clients in worker threads where training uses the threaded loop."""
-        params = self.personalized_params(clients)
         world = self.trainer.world_size if self._trainer is not None else 1
         vectorize, threads = (
             (True, 1)
@@ -668,21 +668,26 @@ class FederatedMethod(LightningModule, ABC):
             else self.training_path(self.arch, world)
         )
         batched_predict = vmap(self.predict)
-        correct = torch.zeros(len(clients), device=self.device)
-        total = torch.zeros_like(correct)
-        loss_sum = torch.zeros_like(correct)
-        for index, weight in self.data.eval_blocks(clients, split, self.hp.eval_batch_size):
+        # clients by descending sample count, so that each block's clients are a prefix
+        order = self.data.num_samples(split)[clients].argsort(descending=True, stable=True)
+        params = self.personalized_params(clients)
+        if not torch.equal(order, torch.arange(len(clients), device=order.device)):
+            params = {k: v if v.stride(0) == 0 else v[order] for k, v in params.items()}
+        sums = torch.zeros(3, len(clients), device=self.device)  # correct, samples, loss
+        blocks = self.data.ragged_eval_blocks(clients[order], split, self.hp.eval_batch_size)
+        for k, index, weight in blocks:
+            first = {name: value[:k] for name, value in params.items()}
             x, y = self.data.fetch(index)
             if vectorize:
-                logits = batched_predict(params, x).float()
+                logits = batched_predict(first, x).float()
             else:
-                logits = predict_clients(self.predict, params, x, threads).float()
+                logits = predict_clients(self.predict, first, x, threads).float()
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(
                 weight
             )
-            correct += ((logits.argmax(-1) == y).float() * weight).sum(1)
-            total += weight.sum(1)
-            loss_sum += (loss * weight).sum(1)
+            hits = (logits.argmax(-1) == y).float()
+            sums[:, :k] += torch.stack([hits * weight, weight, loss * weight]).sum(2)
+        correct, total, loss_sum = sums[:, order.argsort()]
         return correct, total, loss_sum
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
