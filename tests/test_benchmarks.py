@@ -140,10 +140,10 @@ def test_majority_class_floor_predicts_each_clients_most_frequent_training_class
 
 def test_floor_table_counts_each_split_and_seed_once_and_skips_rows_without_a_floor() -> None:
     def row(method: str, split: str, seed: int, floor: float | None) -> dict:
-        row = {"method": method, "split": split, "seed": seed}
+        key = {"method": method, "split": split, "seed": seed}
         if floor is None:
-            return row
-        return row | {
+            return key
+        return key | {
             "test_acc_majority_class": floor,
             "test_acc_weighted_majority_class": floor / 2,
         }
