@@ -14,7 +14,7 @@ from lightning import LightningDataModule
 from torch import Tensor
 
 from lightning_pfl.datasets import DatasetArrays, dataset_spec, load_dataset
-from lightning_pfl.engine import ClientBatches
+from lightning_pfl.engine import ClientBatches, Params
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.partition import (
     ClassesPerClient,
@@ -402,7 +402,12 @@ class FederatedDataModule(LightningDataModule):
             yield idx.lookup(clients, positions), (positions < counts.view(-1, 1)).float()
 
     def ragged_eval_blocks(
-        self, clients: Tensor, split: Split, block: int, levels: int = 16
+        self,
+        clients: Tensor,
+        split: Split,
+        block: int,
+        levels: int = 16,
+        min_saving: int = 32,
     ) -> Iterator[tuple[int, Tensor, Tensor]]:
         """:meth:`eval_blocks` without most of the padding of unequal clients.
 
@@ -410,8 +415,10 @@ class FederatedDataModule(LightningDataModule):
         ``(k, index [k, b], weight [k, b])``: the positions ``[start, start + b)`` of the first
         ``k`` clients, the ones holding more than ``start`` samples. Blocks end at the sample
         counts of ``levels`` evenly spaced ranks (and at most ``block`` apart), so a client is
-        padded only up to the next such count instead of up to the largest client (the
-        measured effect on a Dirichlet split: docs/performance.md).
+        padded only up to the next such count instead of up to the largest client. An end
+        that saves fewer than ``min_saving`` padded samples is dropped (cheapest first): each
+        block is one more network call, which costs more than that little computation (the
+        measured effect: docs/performance.md).
         """
         idx = self.index[split]
         counts = idx.counts[clients]
@@ -421,7 +428,7 @@ class FederatedDataModule(LightningDataModule):
         if any(a < b for a, b in zip(host, host[1:], strict=False)):
             raise ValueError("ragged_eval_blocks needs clients in descending order of samples")
         ranks = {min(len(host) - 1, len(host) * level // levels) for level in range(levels)}
-        ends = sorted({host[rank] for rank in ranks} - {0})
+        ends = _worthwhile_ends(host, sorted({host[rank] for rank in ranks} - {0}), min_saving)
         start = 0
         for end in ends:
             while start < end:
@@ -431,6 +438,11 @@ class FederatedDataModule(LightningDataModule):
                 weight = (positions < counts[:k].view(-1, 1)).float()
                 yield k, idx.lookup(clients[:k], positions), weight
                 start = stop
+
+    def by_size(self, clients: Tensor, split: Split) -> ClientsBySize:
+        """``clients`` in descending order of their samples in ``split``, for passes over
+        their data in :meth:`ragged_eval_blocks`."""
+        return ClientsBySize(self, clients, split)
 
     def client_chunks(self) -> list[Tensor]:
         """This rank's share of all clients, in chunks of ``eval_clients_per_batch``."""
@@ -448,6 +460,66 @@ class FederatedDataModule(LightningDataModule):
 
     def test_dataloader(self) -> ClientChunks:
         return ClientChunks(self.client_chunks())
+
+
+class ClientsBySize:
+    """A pass over every sample of ``clients`` in ``split`` without padding them all to the
+    largest client (:meth:`FederatedDataModule.ragged_eval_blocks`).
+
+    The pass runs in descending order of sample count: :meth:`sort` reorders per-client tensors
+    once, each block of :meth:`blocks` concerns the first ``k`` clients of that order (slice
+    tensors and accumulators with ``[:k]``), and :meth:`unsort` puts per-client results back in
+    the order of ``clients``.
+    """
+
+    def __init__(self, data: FederatedDataModule, clients: Tensor, split: Split) -> None:
+        self.data, self.split = data, split
+        self.order = data.num_samples(split)[clients].argsort(descending=True, stable=True)
+        self.sorted = bool(
+            torch.equal(self.order, torch.arange(len(clients), device=self.order.device))
+        )
+        self.clients = clients if self.sorted else clients[self.order]
+
+    def sort(self, params: Params) -> Params:
+        """Per-client tensors ``[C, ...]`` in the pass's order (shared stride-0 ones kept)."""
+        if self.sorted:
+            return params
+        return {k: v if v.stride(0) == 0 else v[self.order] for k, v in params.items()}
+
+    def unsort(self, values: Tensor) -> Tensor:
+        """Per-client results ``[C, ...]`` of the pass back in the order of the clients."""
+        return values if self.sorted else values[self.order.argsort()]
+
+    def blocks(self, block: int) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
+        """Yield ``(k, x [k, b, ...], y [k, b], weight [k, b])`` for the first ``k`` clients."""
+        for k, index, weight in self.data.ragged_eval_blocks(self.clients, self.split, block):
+            x, y = self.data.fetch(index)
+            yield k, x, y, weight
+
+
+def _worthwhile_ends(counts: list[int], ends: list[int], min_saving: int) -> list[int]:
+    """``ends`` (ascending) without the block ends that save fewer than ``min_saving`` padded
+    samples of the descending ``counts``, removed cheapest first; the last end always stays.
+
+    Ending a block at ``ends[i]`` instead of ``ends[i + 1]`` spares the clients that hold more
+    than ``ends[i - 1]`` but at most ``ends[i]`` samples ``ends[i + 1] - ends[i]`` positions.
+    """
+    ends = list(ends)
+
+    def holding_more_than(n: int) -> int:
+        return sum(count > n for count in counts)
+
+    while len(ends) > 1:
+        savings = [
+            (holding_more_than(ends[i - 1] if i else 0) - holding_more_than(ends[i]))
+            * (ends[i + 1] - ends[i])
+            for i in range(len(ends) - 1)
+        ]
+        cheapest = min(range(len(savings)), key=savings.__getitem__)
+        if savings[cheapest] >= min_saving:
+            break
+        del ends[cheapest]
+    return ends
 
 
 def _cat_optional(a: Tensor | None, b: Tensor | None) -> np.ndarray | None:

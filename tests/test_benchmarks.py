@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import report, speed
+from benchmarks import evaluation, report, speed
 from tests.helpers import CONF, cli, run_dir
 
 TINY = {"workload": "lenet5_mnist", "batch": 32, "batches_per_epoch": 4, "steps": 2}
@@ -81,6 +81,23 @@ def test_speed_writes_json_that_the_report_renders(
         "sequential",
         "vectorized",
     ]
+
+
+def test_evaluation_benchmark_compares_equal_results_of_ragged_and_padded_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "evaluation.json"
+    argv = ["evaluation", "--clients", "12", "--min-samples", "5", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    evaluation.main()
+    result = json.loads(out.read_text())
+    rows = {row["path"]: row for row in result["rows"]}
+    assert rows["ragged"]["same_counts_as_padded"] and rows["padded"]["same_counts_as_padded"]
+    assert rows["ragged"]["max_loss_difference_to_padded"] < 1e-3
+    assert result["largest_client"] > result["mean_client"], "a split of unequal clients"
+    assert 1.0 <= rows["ragged"]["computed_per_real"] < rows["padded"]["computed_per_real"]
+    assert rows["ragged"]["computed_samples"] >= result["real_samples"]
+    assert "| ragged |" in capsys.readouterr().out
 
 
 def test_report_renders_end_to_end_rows_and_skips_an_empty_total_clients_table() -> None:

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from lightning_pfl import FederatedDataModule
+from lightning_pfl.datamodule import _worthwhile_ends
 from lightning_pfl.partition import Dirichlet, PartitionError
 from tests.conftest import digits_data
 
@@ -129,7 +130,9 @@ def test_ragged_eval_blocks_cover_each_clients_samples_once_with_little_padding(
     assert int(counts.max()) > 2 * int(counts.min()), "the test needs unequal clients"
     seen: list[list[int]] = [[] for _ in clients]
     computed = 0
-    for k, index, weight in dm.ragged_eval_blocks(clients, "test", block=16, levels=4):
+    for k, index, weight in dm.ragged_eval_blocks(
+        clients, "test", block=16, levels=4, min_saving=0
+    ):
         assert index.shape == weight.shape and index.shape[0] == k and index.shape[1] <= 16
         computed += index.numel()
         for row in range(k):
@@ -140,3 +143,18 @@ def test_ragged_eval_blocks_cover_each_clients_samples_once_with_little_padding(
     assert computed < padded
     with pytest.raises(ValueError, match="descending"):
         next(dm.ragged_eval_blocks(clients.flip(0), "test", 16))
+
+
+def test_ragged_eval_blocks_drop_block_ends_that_save_less_padding_than_a_network_call() -> None:
+    # ending at 8 spares one client 2 positions; ending at 10 spares three clients 90 positions
+    assert _worthwhile_ends([100, 10, 9, 8], [8, 10, 100], min_saving=0) == [8, 10, 100]
+    assert _worthwhile_ends([100, 10, 9, 8], [8, 10, 100], min_saving=128) == [10, 100]
+    assert _worthwhile_ends([100, 10, 9, 8], [8, 10, 100], min_saving=300) == [100]
+    dm = digits_data(8, partition=Dirichlet(0.3, min_samples=5))
+    clients = dm.num_samples("test").argsort(descending=True, stable=True)
+    never_worth = list(dm.ragged_eval_blocks(clients, "test", block=16, min_saving=10**9))
+    padded = list(dm.eval_blocks(clients, "test", 16))
+    # the same blocks as eval_blocks', less the rows of clients that have run out of samples
+    for (k, index, weight), (padded_index, padded_weight) in zip(never_worth, padded, strict=True):
+        assert torch.equal(index, padded_index[:k]) and torch.equal(weight, padded_weight[:k])
+        assert not padded_weight[k:].any()

@@ -1,13 +1,17 @@
 import os
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
+from torch import Tensor
 from torch._dynamo.utils import counters
 
-from lightning_pfl import methods
+from lightning_pfl import FederatedDataModule, methods
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, PFedHNPC
+from lightning_pfl.methods.fedproto import class_statistics
+from lightning_pfl.partition import Dirichlet
 from tests.conftest import build, digits_data, fit
 from tests.helpers import assert_vectorized_equals_sequential, capture_local_training
 
@@ -236,8 +240,6 @@ def test_methods_whose_math_needs_no_batch_norm_refuse_it_at_construction(name: 
 
 def test_evaluation_of_unequal_clients_equals_each_clients_own_prediction() -> None:
     """The ragged blocks (clients reordered by sample count) give each client its own numbers."""
-    from lightning_pfl.partition import Dirichlet
-
     dm = digits_data(6, partition=Dirichlet(0.3, min_samples=5))
     method = build(Local, dm, eval_batch_size=7)
     fit(method, dm, rounds=2)
@@ -251,3 +253,52 @@ def test_evaluation_of_unequal_clients_equals_each_clients_own_prediction() -> N
         assert int(correct[row]) == int((logits.argmax(-1) == y).sum())
         expected = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
         torch.testing.assert_close(loss[row], expected, rtol=1e-4, atol=1e-4)
+
+
+def _per_client_passes(
+    dm: FederatedDataModule,
+) -> dict[str, Callable[[Tensor], tuple[Tensor, ...]]]:
+    """The methods' passes over every sample of a set of clients, each as clients -> results."""
+    small = {"eval_batch_size": 7}
+    hypcluster = build(methods.HypCluster, dm, num_hypotheses=2, **small)
+    pefll = build(methods.PeFLL, dm, **small)
+    fedfomo = build(methods.FedFomo, dm, **small)
+    fedproto = build(methods.FedProto, dm, **small)
+    fedgh = build(methods.FedGH, dm, **small)
+    assert isinstance(hypcluster, methods.HypCluster) and isinstance(pefll, methods.PeFLL)
+    assert isinstance(fedfomo, methods.FedFomo) and isinstance(fedgh, methods.FedGH)
+
+    def fomo(clients: Tensor) -> tuple[Tensor, ...]:
+        own = fedfomo.store.gather("params", clients, fedfomo.device)
+        other = {n: 0.5 * t for n, t in own.items()}
+        return (fedfomo.validation_losses(clients, [own, other]),)
+
+    def prototypes(clients: Tensor) -> tuple[Tensor, ...]:
+        return class_statistics(fedproto, fedproto.personalized_params(clients), clients)
+
+    def representations(clients: Tensor) -> tuple[Tensor, ...]:
+        models = fedgh.gather_models("net", clients)
+        return fedgh.class_representations(fedgh.groups.archs["net"], models, clients)
+
+    return {
+        "HypCluster": lambda clients: (hypcluster.cluster_losses(clients),),
+        "PeFLL": lambda clients: (pefll.mean_embeddings(clients),),
+        "FedFomo": fomo,
+        "FedProto": prototypes,
+        "FedGH": representations,
+    }
+
+
+@pytest.mark.parametrize("name", ["HypCluster", "PeFLL", "FedFomo", "FedProto", "FedGH"])
+def test_passes_over_unequal_clients_data_equal_each_clients_own_pass(name: str) -> None:
+    """The ragged blocks of the methods' data passes give each client its own numbers."""
+    dm = digits_data(6, partition=Dirichlet(0.3, min_samples=5))
+    clients = torch.tensor([4, 0, 5, 2])
+    counts = dm.num_samples("train")[clients]
+    assert len(set(counts.tolist())) == len(clients), "the test needs unequal clients"
+    assert not torch.equal(counts.argsort(descending=True), torch.arange(len(clients)))
+    data_pass = _per_client_passes(dm)[name]
+    together = data_pass(clients)
+    alone = [data_pass(clients[row : row + 1]) for row in range(len(clients))]
+    for result, parts in zip(together, zip(*alone, strict=True), strict=True):
+        torch.testing.assert_close(result, torch.cat(parts), rtol=1e-4, atol=1e-5)

@@ -668,16 +668,11 @@ class FederatedMethod(LightningModule, ABC):
             else self.training_path(self.arch, world)
         )
         batched_predict = vmap(self.predict)
-        # clients by descending sample count, so that each block's clients are a prefix
-        order = self.data.num_samples(split)[clients].argsort(descending=True, stable=True)
-        params = self.personalized_params(clients)
-        if not torch.equal(order, torch.arange(len(clients), device=order.device)):
-            params = {k: v if v.stride(0) == 0 else v[order] for k, v in params.items()}
-        sums = torch.zeros(3, len(clients), device=self.device)  # correct, samples, loss
-        blocks = self.data.ragged_eval_blocks(clients[order], split, self.hp.eval_batch_size)
-        for k, index, weight in blocks:
+        by_size = self.data.by_size(clients, split)
+        params = by_size.sort(self.personalized_params(clients))
+        sums = torch.zeros(len(clients), 3, device=self.device)  # correct, samples, loss
+        for k, x, y, weight in by_size.blocks(self.hp.eval_batch_size):
             first = {name: value[:k] for name, value in params.items()}
-            x, y = self.data.fetch(index)
             if vectorize:
                 logits = batched_predict(first, x).float()
             else:
@@ -686,8 +681,8 @@ class FederatedMethod(LightningModule, ABC):
                 weight
             )
             hits = (logits.argmax(-1) == y).float()
-            sums[:, :k] += torch.stack([hits * weight, weight, loss * weight]).sum(2)
-        correct, total, loss_sum = sums[:, order.argsort()]
+            sums[:k] += torch.stack([hits * weight, weight, loss * weight], -1).sum(1)
+        correct, total, loss_sum = by_size.unsort(sums).unbind(1)
         return correct, total, loss_sum
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:

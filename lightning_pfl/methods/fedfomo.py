@@ -97,14 +97,15 @@ class FedFomo(Local):
         predict = vmap(self.arch)
         sums = torch.zeros(len(clients), len(models), device=self.device)
         count = torch.zeros(len(clients), 1, device=self.device)
-        for index, weight in self.data.eval_blocks(clients, "val", self.hp.eval_batch_size):
-            x, y = self.data.fetch(index)
-            for k, params in enumerate(models):
-                logits = predict(params, x).float()
+        by_size = self.data.by_size(clients, "val")
+        models = [by_size.sort(params) for params in models]
+        for k, x, y, weight in by_size.blocks(self.hp.eval_batch_size):
+            for m, params in enumerate(models):
+                logits = predict({n: t[:k] for n, t in params.items()}, x).float()
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-                sums[:, k] += (loss.view_as(weight) * weight).sum(1)
-            count += weight.sum(1, keepdim=True)
-        return sums / count.clamp_min(1.0)
+                sums[:k, m] += (loss.view_as(weight) * weight).sum(1)
+            count[:k] += weight.sum(1, keepdim=True)
+        return by_size.unsort(sums / count.clamp_min(1.0))
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         own = self.store.gather("params", clients, self.device)

@@ -213,12 +213,16 @@ class FedGH(HeterogeneousModels):
         features = vmap(arch.features)
         sums: Tensor | None = None
         counts = torch.zeros(len(clients), self.hp.num_classes, device=self.device)
-        for index, weight in self.data.eval_blocks(clients, split, self.hp.eval_batch_size):
-            x, y = self.data.fetch(index)
-            z = features(params, x).float()
+        by_size = self.data.by_size(clients, split)
+        params = by_size.sort(params)
+        for k, x, y, weight in by_size.blocks(self.hp.eval_batch_size):
+            z = features({n: t[:k] for n, t in params.items()}, x).float()
             onehot = F.one_hot(y, self.hp.num_classes).float() * weight.unsqueeze(-1)
             part = torch.einsum("cbk,cbd->ckd", onehot, z)
-            sums = part if sums is None else sums + part
-            counts += onehot.sum(1)
+            if sums is None:
+                sums = part.new_zeros(len(clients), *part.shape[1:])
+            sums[:k] += part
+            counts[:k] += onehot.sum(1)
         assert sums is not None, "every client has training data"
-        return sums / counts.clamp_min(1).unsqueeze(-1), counts
+        means = sums / counts.clamp_min(1).unsqueeze(-1)
+        return by_size.unsort(means), by_size.unsort(counts)

@@ -30,19 +30,24 @@ def class_statistics(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per client and class, over its whole training split, features in evaluation mode:
     feature sums ``[C, K, D]``, sums of squared feature norms ``[C, K]`` and counts ``[C, K]``."""
-    data, k = method.data, method.hp.num_classes
+    classes = method.hp.num_classes
     features = vmap(method.arch.features)
-    sums = sq = counts = None
-    for index, weight in data.eval_blocks(clients, "train", method.hp.eval_batch_size):
-        x, y = data.fetch(index)
-        z = features(params, x).float()  # [C, b, D]
-        onehot = F.one_hot(y, k).float() * weight.unsqueeze(-1)  # [C, b, K]
-        s = torch.einsum("cbk,cbd->ckd", onehot, z)
-        q = torch.einsum("cbk,cb->ck", onehot, (z * z).sum(-1))
-        n = onehot.sum(1)
-        sums, sq, counts = (s, q, n) if sums is None else (sums + s, sq + q, counts + n)  # type: ignore[operator]
-    assert sums is not None and sq is not None and counts is not None
-    return sums, sq, counts
+    sums: Tensor | None = None
+    sq = torch.zeros(len(clients), classes, device=method.device)
+    counts = torch.zeros_like(sq)
+    by_size = method.data.by_size(clients, "train")
+    params = by_size.sort(params)
+    for k, x, y, weight in by_size.blocks(method.hp.eval_batch_size):
+        z = features({n: t[:k] for n, t in params.items()}, x).float()  # [k, b, D]
+        onehot = F.one_hot(y, classes).float() * weight.unsqueeze(-1)  # [k, b, K]
+        part = torch.einsum("cbk,cbd->ckd", onehot, z)
+        if sums is None:
+            sums = part.new_zeros(len(clients), *part.shape[1:])
+        sums[:k] += part
+        sq[:k] += torch.einsum("cbk,cb->ck", onehot, (z * z).sum(-1))
+        counts[:k] += onehot.sum(1)
+    assert sums is not None, "every client has training data"
+    return by_size.unsort(sums), by_size.unsort(sq), by_size.unsort(counts)
 
 
 def aggregate_prototypes(

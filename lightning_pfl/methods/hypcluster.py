@@ -73,14 +73,14 @@ class HypCluster(FederatedMethod):
         q = self.hp.num_hypotheses
         loss_sum = torch.zeros(len(clients), q, device=self.device)
         total = torch.zeros(len(clients), 1, device=self.device)
-        for index, weight in self.data.eval_blocks(clients, "train", self.hp.eval_batch_size):
-            x, y = self.data.fetch(index)
+        by_size = self.data.by_size(clients, "train")
+        for k, x, y, weight in by_size.blocks(self.hp.eval_batch_size):
             for j in range(q):
                 logits = self.arch({n: t[j] for n, t in models.items()}, x.flatten(0, 1))
                 loss = F.cross_entropy(logits.float(), y.flatten(), reduction="none")
-                loss_sum[:, j] += (loss.view_as(weight) * weight).sum(1)
-            total[:, 0] += weight.sum(1)
-        return loss_sum / total.clamp_min(1.0)
+                loss_sum[:k, j] += (loss.view_as(weight) * weight).sum(1)
+            total[:k, 0] += weight.sum(1)
+        return by_size.unsort(loss_sum / total.clamp_min(1.0))
 
     def assign(self, clients: Tensor) -> Tensor:
         """The cluster of each client: the model with the lowest training loss."""

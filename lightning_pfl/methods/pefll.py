@@ -247,15 +247,13 @@ class PeFLL(PFedHN):
         """Mean embedding of each client over all its training data, before standardization:
         ``[C, dim]``."""
         embedder = self.network.embedder
-        total: Tensor | None = None
+        total = torch.zeros(len(clients), embedder.shift.numel(), device=self.device)
         count = torch.zeros(len(clients), 1, device=self.device)
-        for index, weight in self.data.eval_blocks(clients, "train", self.hp.eval_batch_size):
-            x, y = self.data.fetch(index)
-            z = embedder.embed(x, y) * weight.unsqueeze(-1)
-            total = z.sum(1) if total is None else total + z.sum(1)
-            count += weight.sum(1, keepdim=True)
-        assert total is not None, "every client has training data"
-        return total / count.clamp_min(1)
+        by_size = self.data.by_size(clients, "train")
+        for k, x, y, weight in by_size.blocks(self.hp.eval_batch_size):
+            total[:k] += (embedder.embed(x, y) * weight.unsqueeze(-1)).sum(1)
+            count[:k] += weight.sum(1, keepdim=True)
+        return by_size.unsort(total / count.clamp_min(1))
 
     @torch.no_grad()
     def calibrate_descriptors(self) -> None:
