@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import vmap
 
+from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.methods import FedAvg
 from lightning_pfl.methods.base import FederatedMethod
@@ -159,9 +159,7 @@ def main() -> None:
         "mean_client": float(counts.float().mean()),
         "threads": args.threads,
         "repeats": args.repeats,
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor(),
+        "environment": environment(),
         "rows": rows,
     }
     print(

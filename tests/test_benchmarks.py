@@ -97,6 +97,7 @@ def test_evaluation_benchmark_compares_equal_results_of_ragged_and_padded_blocks
     assert result["largest_client"] > result["mean_client"], "a split of unequal clients"
     assert 1.0 <= rows["ragged"]["computed_per_real"] < rows["padded"]["computed_per_real"]
     assert rows["ragged"]["computed_samples"] >= result["real_samples"]
+    assert result["environment"]["commit"]
     assert "| ragged |" in capsys.readouterr().out
 
 
