@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_pfl.cli import run
@@ -103,7 +104,13 @@ SETTINGS: dict[str, tuple[str, dict[str, list[str]]]] = {
 }
 
 
-def run_one(config: Path, extra: list[str], log_dir: Path, name: str) -> dict[str, Any]:
+def run_one(
+    config: Path,
+    extra: list[str],
+    log_dir: Path,
+    name: str,
+    callbacks: list[Callback] | None = None,
+) -> dict[str, Any]:
     args = [
         "fit",
         f"--config={config}",
@@ -112,7 +119,7 @@ def run_one(config: Path, extra: list[str], log_dir: Path, name: str) -> dict[st
         "--trainer.enable_progress_bar=false",
         *extra,
     ]
-    cli = run(args)
+    cli = run(args, callbacks)
     assert cli.trainer.log_dir is not None, "the benchmark runs always have a logger"
     run_dir = Path(cli.trainer.log_dir)
     with open(run_dir / "results.json") as f:
@@ -230,6 +237,20 @@ def scaled_trainer_args(config: Path, scale: float) -> list[str]:
     return [f"--trainer.max_steps={rounds}", f"--trainer.val_check_interval={interval}"]
 
 
+def run_arguments(
+    config: Path, data: list[str], seed: int, scale: float, extra: list[str]
+) -> list[str]:
+    """CLI arguments of one benchmark run: ``data`` (root and split), ``seed`` for the split
+    and the model, the config's rounds scaled by ``scale``, then ``extra``."""
+    return [
+        *data,
+        f"--data.init_args.seed={seed}",
+        f"--model.init_args.seed={seed}",
+        *scaled_trainer_args(config, scale),
+        *extra,
+    ]
+
+
 def write_rows(path: Path, rows: list[dict[str, Any]], started: dict[str, Any]) -> None:
     """Write ``rows`` to ``path``, keeping its rows of other (split, seed) pairs."""
     kept: list[dict[str, Any]] = []
@@ -284,14 +305,9 @@ def main() -> None:
             for split, split_args in splits.items():
                 if args.splits and split not in args.splits:
                     continue
-                extra = [
-                    *base,
-                    *split_args,
-                    f"--data.init_args.seed={seed}",
-                    f"--model.init_args.seed={seed}",
-                    *scaled_trainer_args(config, args.rounds_scale),
-                    *args.extra,
-                ]
+                extra = run_arguments(
+                    config, base + split_args, seed, args.rounds_scale, args.extra
+                )
                 name = f"{args.setting}-{split}-{config.stem}-s{seed}"
                 result = run_one(config, extra, log_dir, name)
                 rows.append(summarize(config.stem, split, seed, result, started["commit"]))

@@ -29,8 +29,9 @@ import yaml
 
 from benchmarks.accuracy import environment
 from lightning_pfl.datamodule import FederatedDataModule
-from lightning_pfl.methods import PeFLL, PFedHN
 from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.methods.pefll import PeFLL
+from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.partition import ClassesPerClient
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "digits"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import evaluation, report, speed
+from tests.conftest import build, digits_data
 from tests.helpers import CONF, cli, run_dir
 
 TINY = {"workload": "lenet5_mnist", "batch": 32, "batches_per_epoch": 4, "steps": 2}
@@ -308,3 +309,23 @@ def test_init_spread_tells_he_init_from_pytorch_default_on_vgg8() -> None:
     zoo = logit_spread("vgg8", (1, 28, 28), "zoo", seed=0, batch=32)
     default = logit_spread("vgg8", (1, 28, 28), "pytorch_default", seed=0, batch=32)
     assert zoo > 1e-2 > 1e-3 > default > 0, (zoo, default)
+
+
+def test_fedtp_spread_replaces_every_clients_qkv_by_their_mean() -> None:
+    from benchmarks.fedtp_spread import measure
+    from lightning_pfl.methods import FedTP
+
+    vit = {"patch": 2, "dim": 16, "depth": 2, "heads": 2, "head_dim": 8, "mlp_dim": 32}
+    method = build(FedTP, digits_data(4), net="vit", net_args=vit, local_epochs=None).eval()
+    assert isinstance(method, FedTP)
+    clients = torch.arange(4)
+    generated = method.personalized_params(clients)
+    before = measure(method)
+    assert before["qkv_spread"] > 0.01
+    with torch.no_grad():  # every client now generates the mean of the qkv it had
+        for name, head in zip(method.hnet.target_shapes, method.hnet.heads, strict=True):
+            head.weight.zero_()
+            head.bias.copy_(generated[name].mean(0).flatten())
+    after = measure(method)
+    assert after["qkv_spread"] < 1e-6
+    assert after["val_acc"] == after["val_acc_shared_qkv"] == before["val_acc_shared_qkv"]
