@@ -33,9 +33,14 @@ with the environment and the command; rows of the same split and seed are replac
 kept, so methods and seeds can be run separately. ``python -m benchmarks.report DIR`` renders a
 folder as a table with the mean and standard deviation over seeds.
 
+With ``--resume`` and the ``--log-dir`` of an interrupted benchmark, every run that left a
+``checkpoints/last.ckpt`` there goes on from it (``--ckpt_path last``: the same run folder, the
+config checked against the checkpoint's) instead of starting over; the others start fresh.
+
     python -m benchmarks.accuracy --setting digits --seeds 0 1 2
     python -m benchmarks.accuracy --setting digits --methods fedprox --seeds 0 1 2
     python -m benchmarks.accuracy --setting fashion_mnist --root /data --rounds-scale 0.2
+    python -m benchmarks.accuracy --setting digits --log-dir runs --resume   # after a stop
 """
 
 from __future__ import annotations
@@ -251,6 +256,11 @@ def run_arguments(
     ]
 
 
+def resumable(log_dir: Path, name: str) -> bool:
+    """Whether the run ``name`` under ``log_dir`` left a checkpoint to go on from."""
+    return any((log_dir / name).glob("version_*/checkpoints/last.ckpt"))
+
+
 def write_rows(path: Path, rows: list[dict[str, Any]], started: dict[str, Any]) -> None:
     """Write ``rows`` to ``path``, keeping its rows of other (split, seed) pairs."""
     kept: list[dict[str, Any]] = []
@@ -283,9 +293,16 @@ def main() -> None:
     parser.add_argument("--splits", nargs="+", help="splits of the setting (default: all)")
     parser.add_argument("--log-dir", help="where runs write their logs (default: a temp folder)")
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the last.ckpt of runs under --log-dir left by an interrupted benchmark",
+    )
+    parser.add_argument(
         "--extra", nargs=argparse.REMAINDER, default=[], help="more CLI arguments for every run"
     )
     args = parser.parse_args()
+    if args.resume and not args.log_dir:
+        parser.error("--resume needs the --log-dir of the interrupted benchmark")
     started = environment()
     folder, splits = SETTINGS[args.setting]
     if args.setting.startswith("fashion_mnist") and not args.root:
@@ -309,6 +326,9 @@ def main() -> None:
                     config, base + split_args, seed, args.rounds_scale, args.extra
                 )
                 name = f"{args.setting}-{split}-{config.stem}-s{seed}"
+                if args.resume and resumable(log_dir, name):
+                    print(f"{name}: resuming from its last.ckpt")
+                    extra.append("--ckpt_path=last")
                 result = run_one(config, extra, log_dir, name)
                 rows.append(summarize(config.stem, split, seed, result, started["commit"]))
                 print_table(rows[-1:])

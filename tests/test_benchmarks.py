@@ -329,3 +329,37 @@ def test_fedtp_spread_replaces_every_clients_qkv_by_their_mean() -> None:
     after = measure(method)
     assert after["qkv_spread"] < 1e-6
     assert after["val_acc"] == after["val_acc_shared_qkv"] == before["val_acc_shared_qkv"]
+
+
+def test_accuracy_resume_goes_on_from_an_interrupted_runs_checkpoint_to_the_same_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import accuracy
+
+    def benchmark(log_dir: Path, out_dir: Path, *more: str) -> dict:
+        argv = ["accuracy", "--setting", "digits", "--methods", "fedavg", "--splits", "dirichlet"]
+        argv += ["--rounds-scale", str(4 / 300), "--log-dir", str(log_dir)]
+        monkeypatch.setattr(sys, "argv", [*argv, "--out-dir", str(out_dir), *more])
+        accuracy.main()
+        rows = json.loads((out_dir / "digits" / "fedavg.json").read_text())["rows"]
+        assert len(rows) == 1
+        return {k: v for k, v in rows[0].items() if k not in ("seconds_per_round", "commit")}
+
+    run = "digits-dirichlet-fedavg-s0"
+    assert not accuracy.resumable(tmp_path / "stopped", run)
+    halfway = benchmark(tmp_path / "stopped", tmp_path / "out", "--extra", "--trainer.max_steps=2")
+    assert halfway["rounds"] == 2
+    assert accuracy.resumable(tmp_path / "stopped", run)
+    resumed = benchmark(tmp_path / "stopped", tmp_path / "out", "--resume")
+    assert [p.name for p in (tmp_path / "stopped" / run).iterdir()] == ["version_0"]
+    fresh = benchmark(tmp_path / "fresh", tmp_path / "out_fresh")
+    assert resumed["rounds"] == 4
+    assert resumed == fresh
+
+
+def test_accuracy_resume_needs_the_log_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import accuracy
+
+    monkeypatch.setattr(sys, "argv", ["accuracy", "--setting", "digits", "--resume"])
+    with pytest.raises(SystemExit):
+        accuracy.main()
