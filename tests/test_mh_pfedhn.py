@@ -443,6 +443,20 @@ def test_frozen_clients_keep_their_leading_layers_at_the_generated_values() -> N
         torch.testing.assert_close(trained[n][:1], t, rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_a_registry_global_net_gets_its_own_size_and_trains_in_a_round() -> None:
+    method = build_mh(MHPFedHNG, global_net="zoo_mlp", global_net_args={"hidden": (8, 8)})
+    assert isinstance(method, MHPFedHNG)
+    count = sum(
+        p.numel() for p in build_network("zoo_mlp", (1, 8, 8), 10, hidden=(8, 8)).parameters()
+    )
+    assert method.global_codec.count == count
+    assert count not in [c.count for c in method.codecs.values()]
+    assert method.hnet.counts[-1] == count
+    before = method.hnet([method.hp.num_clients]).detach()
+    method.run_round(0, torch.tensor([0, 3]))
+    assert not torch.equal(method.hnet([method.hp.num_clients]).detach(), before)
+
+
 def test_frozen_and_global_client_options_are_seeded_and_validated() -> None:
     a, b = build_mh(MHPFedHNG, frozen_clients=0.5, global_clients=0.5), build_mh(frozen_clients=0.5)
     assert isinstance(a, MHPFedHNG)
@@ -461,6 +475,7 @@ def test_frozen_and_global_client_options_are_seeded_and_validated() -> None:
         ({"global_clients": 0.05}, "model.init_args.global_clients"),  # 0 of 6 clients
         ({"global_clients": []}, "model.init_args.global_clients"),
         ({"global_clients": [6]}, "model.init_args.global_clients"),
+        ({"global_net": "res", "global_net_args": {}}, "model.init_args.global_net_args"),
     ]
     for options, key in bad:
         with pytest.raises(ConfigError, match=key):

@@ -473,7 +473,8 @@ class MHPFedHNG(MHPFedHN):
         global_net: the global model's architecture: a group of ``architectures``, or a
             registry network name (the paper's Tables 5 and 9, a global model of another
             architecture); default: the group with the fewest parameters.
-        global_net_args: ``net_args`` of ``global_net`` when it is a registry name.
+        global_net_args: ``net_args`` of ``global_net`` when it is a registry name (an error
+            when it names a group: a group's name shadows the registry name).
         global_epochs: local epochs on the global model (default ``local_epochs``).
         global_clients: the clients that hold the global model (the paper's Tables 14-15, only
             part of the clients can afford it): a share of all clients (drawn once, seeded; at
@@ -505,6 +506,14 @@ class MHPFedHNG(MHPFedHN):
         h = self.hp
         kind = h.global_net or min(self.zoo.names, key=lambda k: self.codecs[k].count)
         if kind in self.zoo.archs:
+            if h.global_net_args is not None:
+                raise ConfigError(
+                    f"model.init_args.global_net = {kind!r} names a group of "
+                    "model.init_args.architectures, whose net_args it uses; "
+                    "model.init_args.global_net_args applies only to a registry network name. "
+                    f"Drop global_net_args, or rename the group so that {kind!r} names the "
+                    "registry network."
+                )
             self.global_arch, self.global_codec = self.zoo.archs[kind], self.codecs[kind]
         else:
             with self.seeded_init():
