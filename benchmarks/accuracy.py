@@ -61,7 +61,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_pfl.cli import run
+from lightning_pfl.cli import checkpointed_versions, run
 
 REPO = Path(__file__).resolve().parents[1]
 DIRICHLET = [
@@ -256,11 +256,6 @@ def run_arguments(
     ]
 
 
-def resumable(log_dir: Path, name: str) -> bool:
-    """Whether the run ``name`` under ``log_dir`` left a checkpoint to go on from."""
-    return any((log_dir / name).glob("version_*/checkpoints/last.ckpt"))
-
-
 def write_rows(path: Path, rows: list[dict[str, Any]], started: dict[str, Any]) -> None:
     """Write ``rows`` to ``path``, keeping its rows of other (split, seed) pairs."""
     kept: list[dict[str, Any]] = []
@@ -326,7 +321,7 @@ def main() -> None:
                     config, base + split_args, seed, args.rounds_scale, args.extra
                 )
                 name = f"{args.setting}-{split}-{config.stem}-s{seed}"
-                if args.resume and resumable(log_dir, name):
+                if args.resume and checkpointed_versions(log_dir / name):
                     print(f"{name}: resuming from its last.ckpt")
                     extra.append("--ckpt_path=last")
                 result = run_one(config, extra, log_dir, name)

@@ -146,6 +146,16 @@ def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[st
     ]
 
 
+def checkpointed_versions(run_dir: Path) -> list[Path]:
+    """The ``version_*`` folders of ``run_dir`` holding ``checkpoints/last.ckpt``, newest first
+    (what ``--ckpt_path last`` resumes from)."""
+    return sorted(
+        (p for p in run_dir.glob("version_*") if (p / "checkpoints" / "last.ckpt").exists()),
+        key=lambda p: int(p.name.split("_")[1]) if p.name.split("_")[1].isdigit() else -1,
+        reverse=True,
+    )
+
+
 def _config_path_name(configs: list[Any]) -> str:
     """Run name from the last config file: its path under ``configs/`` without the suffix."""
     if not configs:
@@ -244,11 +254,7 @@ class PFLCLI(LightningCLI):
         if not isinstance(logger, Namespace) or "init_args" not in logger:
             raise ConfigError("--ckpt_path last needs the TensorBoard logger's run folders.")
         run_dir = Path(logger.init_args.save_dir) / str(logger.init_args.name)
-        candidates = sorted(
-            (p for p in run_dir.glob("version_*") if (p / "checkpoints" / "last.ckpt").exists()),
-            key=lambda p: int(p.name.split("_")[1]) if p.name.split("_")[1].isdigit() else -1,
-            reverse=True,
-        )
+        candidates = checkpointed_versions(run_dir)
         if not candidates:
             raise ConfigError(
                 f"--ckpt_path last: no checkpoints/last.ckpt under {run_dir}/version_*; start "

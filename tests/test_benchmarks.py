@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import evaluation, report, speed
+from lightning_pfl.cli import checkpointed_versions
 from tests.conftest import build, digits_data
 from tests.helpers import CONF, cli, run_dir
 
@@ -346,10 +347,10 @@ def test_accuracy_resume_goes_on_from_an_interrupted_runs_checkpoint_to_the_same
         return {k: v for k, v in rows[0].items() if k not in ("seconds_per_round", "commit")}
 
     run = "digits-dirichlet-fedavg-s0"
-    assert not accuracy.resumable(tmp_path / "stopped", run)
+    assert not checkpointed_versions(tmp_path / "stopped" / run)
     halfway = benchmark(tmp_path / "stopped", tmp_path / "out", "--extra", "--trainer.max_steps=2")
     assert halfway["rounds"] == 2
-    assert accuracy.resumable(tmp_path / "stopped", run)
+    assert checkpointed_versions(tmp_path / "stopped" / run)
     resumed = benchmark(tmp_path / "stopped", tmp_path / "out", "--resume")
     assert [p.name for p in (tmp_path / "stopped" / run).iterdir()] == ["version_0"]
     fresh = benchmark(tmp_path / "fresh", tmp_path / "out_fresh")
