@@ -144,7 +144,7 @@ class RoundCheckpoint(ModelCheckpoint):
             raise self.interrupted  # type: ignore[misc]
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)  # last.ckpt after every validation
+        super().on_validation_end(trainer, pl_module)  # top-k saves (last.ckpt only with them)
         if trainer.sanity_checking or not self._save_after_validation:
             return
         self._save_after_validation = False
