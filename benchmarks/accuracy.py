@@ -256,14 +256,28 @@ def run_arguments(
     ]
 
 
+def with_machine(row: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with the ``device`` and ``torch`` of ``environment`` unless it names its own."""
+    return {"device": environment["device"], "torch": environment["torch"], **row}
+
+
 def write_rows(path: Path, rows: list[dict[str, Any]], started: dict[str, Any]) -> None:
-    """Write ``rows`` to ``path``, keeping its rows of other (split, seed) pairs."""
+    """Write ``rows`` to ``path``, keeping its rows of other (split, seed) pairs.
+
+    Every row names the device and torch it ran with; a kept row written before rows did gets
+    the old file's environment, so a file whose seeds ran on different machines says so.
+    """
     kept: list[dict[str, Any]] = []
     if path.exists():
         old = json.loads(path.read_text())
         redone = {(r["split"], r["seed"]) for r in rows}
-        kept = [r for r in old["rows"] if (r["split"], r["seed"]) not in redone]
-    merged = sorted(kept + rows, key=lambda r: (r["split"], r["seed"]))
+        kept = [
+            with_machine(r, old["environment"])
+            for r in old["rows"]
+            if (r["split"], r["seed"]) not in redone
+        ]
+    new = [with_machine(r, started) for r in rows]
+    merged = sorted(kept + new, key=lambda r: (r["split"], r["seed"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "accuracy",

@@ -147,6 +147,28 @@ def test_accuracy_rows_keep_each_client_groups_accuracy_and_the_report_averages_
     assert "| pathological | mh | 2 | 2, 150 |" in mixed
 
 
+def test_accuracy_rows_name_their_machine_when_seeds_ran_on_different_ones(tmp_path: Path) -> None:
+    from benchmarks.accuracy import write_rows
+
+    path = tmp_path / "fashion_mnist" / "fedavg.json"
+    cpu = {"device": "x86_64", "torch": "2.14.1", "commit": "abc"}
+    gpu = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "commit": "abc"}
+    path.parent.mkdir()
+    # a file written before rows named their machine (its seed-0 row ran on the CPU)
+    path.write_text(json.dumps({"environment": cpu, "rows": [{"split": "p", "seed": 0}]}))
+    write_rows(path, [{"split": "p", "seed": 1}], gpu)
+    result = json.loads(path.read_text())
+    assert [r["device"] for r in result["rows"]] == ["x86_64", gpu["device"]]
+    write_rows(path, [{"split": "p", "seed": 2}, {"split": "p", "seed": 0}], cpu)
+    result = json.loads(path.read_text())
+    assert [(r["seed"], r["device"], r["torch"]) for r in result["rows"]] == [
+        (0, "x86_64", "2.14.1"),
+        (1, gpu["device"], "2.11.0"),
+        (2, "x86_64", "2.14.1"),
+    ]
+    assert result["environment"] == cpu  # the last run's
+
+
 def test_majority_class_floor_predicts_each_clients_most_frequent_training_class() -> None:
     from benchmarks.accuracy import majority_class_accuracy
 
