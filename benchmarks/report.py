@@ -51,10 +51,24 @@ def accuracy_table(files: list[dict[str, Any]]) -> str:
             f"| {_mean_std([r['test_acc_weighted_at_best_val'] for r in rows])} "
             f"| {_mean_std([r['test_acc_last'] for r in rows])} "
             f"| {_largest([r.get('train_loss_max_after_100') for r in rows])} "
-            f"| {statistics.mean(r['seconds_per_round'] for r in rows):.3f} "
+            f"| {_seconds_per_round(rows)} "
             f"| {', '.join(commits)} |"
         )
     return "\n".join(lines)
+
+
+def _seconds_per_round(rows: list[dict[str, Any]]) -> str:
+    """Mean seconds per round; one mean per device (named in brackets) when the seeds ran on
+    different machines, since a mean across machines measures neither."""
+    by_device: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        by_device[row.get("device", "")].append(row["seconds_per_round"])
+    if len(by_device) == 1:
+        return f"{statistics.mean(row['seconds_per_round'] for row in rows):.3f}"
+    return ", ".join(
+        f"{statistics.mean(seconds):.3f} ({device.removeprefix('NVIDIA ').split(' ')[0] or '?'})"
+        for device, seconds in sorted(by_device.items())
+    )
 
 
 def group_table(files: list[dict[str, Any]]) -> str:

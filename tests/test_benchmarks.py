@@ -167,6 +167,12 @@ def test_accuracy_rows_name_their_machine_when_seeds_ran_on_different_ones(tmp_p
         (2, "x86_64", "2.14.1"),
     ]
     assert result["environment"] == cpu  # the last run's
+    for row in result["rows"]:
+        row |= {"method": "fedavg", "rounds": 2, "commit": "abc", "test_acc_last": 0.5}
+        row |= {"test_acc_at_best_val": 0.5, "test_acc_weighted_at_best_val": 0.5}
+        row["seconds_per_round"] = float(row["seed"] ** 2)  # CPU: 0 and 4, GPU: 1
+    # seconds per round are averaged per machine (not 1.667 across them)
+    assert "| 1.000 (H100), 2.000 (x86_64) | abc |" in report.accuracy_table([result])
 
 
 def test_majority_class_floor_predicts_each_clients_most_frequent_training_class() -> None:
