@@ -29,8 +29,9 @@ Every row also records the training stability: the largest per-round mean local 
 
 Every run goes through the CLI (``fit``, then test) and its ``results.json`` is collected. Rows
 (one per split and seed) go to ``<out-dir>/<setting>/<config name>.json``, one file per method,
-with the environment and the command; rows of the same split and seed are replaced, others
-kept, so methods and seeds can be run separately. ``python -m benchmarks.report DIR`` renders a
+with the environment and the command (each row names its ``device`` and ``torch``); rows of
+the same split and seed are replaced, others kept, so methods and seeds can be run separately,
+also on different machines. ``python -m benchmarks.report DIR`` renders a
 folder as a table with the mean and standard deviation over seeds.
 
 With ``--resume`` and the ``--log-dir`` of an interrupted benchmark, every run that left a
