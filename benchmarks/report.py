@@ -2,6 +2,7 @@
 
 python -m benchmarks.report benchmarks/results/digits          # a folder: one file per method
 python -m benchmarks.report benchmarks/results/digits --compare-rounds 150   # + method x split
+python -m benchmarks.report benchmarks/results/digits --paired-to local fedavg  # + per-seed gaps
 python -m benchmarks.report benchmarks/results/speed_cpu.json
 """
 
@@ -157,6 +158,44 @@ def comparison_table(
     return "\n".join(lines)
 
 
+def paired_table(files: list[dict[str, Any]], references: Sequence[str]) -> str:
+    """One line per (split, method): test accuracy at the best validation round (mean over
+    clients) of each seed, and per reference method its difference in points at each seed the
+    two share with the same rounds (a seed's split is the same for every method, so these
+    differences are paired), with how many of them are above zero. Rows of another length
+    (rounds) are listed with it and paired only with the reference's rows of that length."""
+    accuracy: dict[tuple[str, str], dict[tuple[int, int], float]] = defaultdict(dict)
+    for result in files:
+        for row in result["rows"]:
+            key = (row["seed"], row["rounds"])
+            accuracy[(row["split"], row["method"])][key] = 100 * row["test_acc_at_best_val"]
+    header = "| split | method | acc per seed (%) |" + "".join(
+        f" vs {r} per seed |" for r in references
+    )
+    lines = [header, "|---|---|---|" + "---|" * len(references)]
+    for (split, method), values in sorted(accuracy.items()):
+        several_lengths = len({rounds for _, rounds in values}) > 1
+        line = f"| {split} | {method} | " + ", ".join(
+            f"s{seed} {value:.2f}" + (f" ({rounds} rounds)" if several_lengths else "")
+            for (seed, rounds), value in sorted(values.items())
+        )
+        for reference in references:
+            base = accuracy.get((split, reference), {})
+            shared = sorted(set(values) & set(base))
+            if method == reference or not shared:
+                line += " | -"
+                continue
+            differences = [values[key] - base[key] for key in shared]
+            above = sum(d > 0 for d in differences)
+            line += (
+                " | "
+                + ", ".join(f"{d:+.2f}" for d in differences)
+                + f" ({above}/{len(differences)} above)"
+            )
+        lines.append(line + " |")
+    return "\n".join(lines)
+
+
 def _ratio(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
@@ -209,6 +248,13 @@ def main() -> None:
         help="also print, for a folder, the method x split table of the rows run for this many "
         "rounds, with each method's difference to FedAvg and to Local",
     )
+    parser.add_argument(
+        "--paired-to",
+        nargs="+",
+        metavar="METHOD",
+        help="also print, for a folder, each method's accuracy per seed and its per-seed "
+        "differences to these methods (config names, e.g. local fedavg)",
+    )
     args = parser.parse_args()
     for path in args.paths:
         if path.is_dir():
@@ -224,6 +270,9 @@ def main() -> None:
                 print()
             if args.compare_rounds is not None:
                 print(comparison_table(files, args.compare_rounds))
+                print()
+            if args.paired_to:
+                print(paired_table(files, args.paired_to))
                 print()
             continue
         result = json.loads(path.read_text())

@@ -231,6 +231,21 @@ def test_comparison_table_lists_methods_by_split_with_differences_to_the_referen
     assert "| local | 80.00 (1) | -12.00 | - | - | - | - |" in lines
 
 
+def test_paired_table_differences_each_seed_to_the_references_row_of_that_seed() -> None:
+    def row(method: str, seed: int, acc: float, rounds: int = 100) -> dict:
+        return {"method": method, "split": "d", "seed": seed, "rounds": rounds,
+                "test_acc_at_best_val": acc}  # fmt: skip
+
+    local = [row("local", 0, 0.80), row("local", 1, 0.82)]
+    fedx = [row("fedx", 0, 0.85), row("fedx", 1, 0.81), row("fedx", 2, 0.90, rounds=30)]
+    lines = report.paired_table([{"rows": local}, {"rows": fedx}], ["local"]).splitlines()
+    assert lines[0] == "| split | method | acc per seed (%) | vs local per seed |"
+    # seed 2 ran another protocol (30 rounds) and local has no seed 2: it is listed, not paired
+    fedx_cells = "| d | fedx | s0 85.00 (100 rounds), s1 81.00 (100 rounds), s2 90.00 (30 rounds) "
+    assert f"{fedx_cells}| +5.00, -1.00 (1/2 above) |" in lines
+    assert "| d | local | s0 80.00, s1 82.00 | - |" in lines
+
+
 def test_methods_table_has_a_row_per_digits_result_with_bytes_per_sampled_client_round() -> None:
     """docs/methods.md's table: every committed digits config, (down + up) / (rounds x clients)."""
     from benchmarks import methods_table
