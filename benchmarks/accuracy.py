@@ -38,10 +38,18 @@ With ``--resume`` and the ``--log-dir`` of an interrupted benchmark, every run t
 ``checkpoints/last.ckpt`` there goes on from it (``--ckpt_path last``: the same run folder, the
 config checked against the checkpoint's) instead of starting over; the others start fresh.
 
+With ``--jobs N``, each run (method, seed, split) is a process of its own, N at a time, on the
+same device (on one GPU, many small runs share it well: 14 at once on an H100 in
+docs/results.md; on a CPU give each one thread, ``OMP_NUM_THREADS=1`` and ``--extra
+--model.init_args.client_threads=1``). Each run's console output goes to
+``<log-dir>/<run>.log``; this process alone writes the out files, as each run ends, so a stop
+loses only the unfinished runs (``--resume`` continues them).
+
     python -m benchmarks.accuracy --setting digits --seeds 0 1 2
     python -m benchmarks.accuracy --setting digits --methods fedprox --seeds 0 1 2
     python -m benchmarks.accuracy --setting fashion_mnist --root /data --rounds-scale 0.2
     python -m benchmarks.accuracy --setting digits --log-dir runs --resume   # after a stop
+    python -m benchmarks.accuracy --setting digits --seeds 0 1 2 --jobs 8    # 8 runs at once
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +299,47 @@ def write_rows(path: Path, rows: list[dict[str, Any]], started: dict[str, Any]) 
     path.write_text(json.dumps(record, indent=2) + "\n")
 
 
+def run_in_processes(
+    args: argparse.Namespace,
+    runs: list[tuple[Path, int, str]],
+    log_dir: Path,
+    started: dict[str, Any],
+) -> list[str]:
+    """Run each ``(config, seed, split)`` of ``runs`` as ``python -m benchmarks.accuracy`` with
+    that one method, seed and split, ``args.jobs`` at a time; merge each finished run's row into
+    ``args.out_dir`` (only here, so no two processes write a file). Returns the failed runs."""
+    scratch = Path(tempfile.mkdtemp(prefix="pfl-benchmark-rows-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    def one(run: tuple[Path, int, str]) -> tuple[str, int, Path]:
+        config, seed, split = run
+        name = f"{args.setting}-{split}-{config.stem}-s{seed}"
+        command = [sys.executable, "-m", "benchmarks.accuracy", "--setting", args.setting]
+        command += ["--methods", config.stem, "--seeds", str(seed), "--splits", split]
+        command += ["--rounds-scale", str(args.rounds_scale), "--log-dir", str(log_dir)]
+        command += ["--out-dir", str(scratch / name)]
+        command += ["--root", args.root] if args.root else []
+        command += ["--resume"] if args.resume else []
+        with open(log_dir / f"{name}.log", "w") as log:
+            process = subprocess.run(
+                [*command, "--extra", *args.extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            )
+        return name, process.returncode, scratch / name / args.setting / f"{config.stem}.json"
+
+    failed = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for future in as_completed([pool.submit(one, run) for run in runs]):
+            name, code, result = future.result()
+            if code != 0:
+                failed.append(name)
+                print(f"{name}: failed (exit code {code}), see {log_dir / name}.log")
+                continue
+            rows = json.loads(result.read_text())["rows"]
+            write_rows(Path(args.out_dir) / args.setting / result.name, rows, started)
+            print_table(rows)
+    return failed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -308,11 +358,19 @@ def main() -> None:
         help="go on from the last.ckpt of runs under --log-dir left by an interrupted benchmark",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once, each in its own process (default 1: one after another, in this one)",
+    )
+    parser.add_argument(
         "--extra", nargs=argparse.REMAINDER, default=[], help="more CLI arguments for every run"
     )
     args = parser.parse_args()
     if args.resume and not args.log_dir:
         parser.error("--resume needs the --log-dir of the interrupted benchmark")
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: runs at once must be 1 or more")
     started = environment()
     folder, splits = SETTINGS[args.setting]
     if args.setting.startswith("fashion_mnist") and not args.root:
@@ -326,6 +384,17 @@ def main() -> None:
         configs = [c for c in configs if c.stem in args.methods]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pfl-benchmark-"))
     print(f"run logs: {log_dir}")
+    if args.jobs > 1:
+        runs = [
+            (config, seed, split)
+            for config in configs
+            for seed in args.seeds
+            for split in splits
+            if not args.splits or split in args.splits
+        ]
+        if failed := run_in_processes(args, runs, log_dir, started):
+            sys.exit(f"{len(failed)} of {len(runs)} runs failed: {', '.join(failed)}")
+        return
     for config in configs:
         rows = []
         for seed in args.seeds:

@@ -401,6 +401,27 @@ def test_accuracy_resume_goes_on_from_an_interrupted_runs_checkpoint_to_the_same
     assert resumed == fresh
 
 
+def test_accuracy_jobs_run_each_seed_in_its_own_process_to_the_same_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import accuracy
+
+    def benchmark(out_dir: Path, *more: str) -> list[dict]:
+        argv = ["accuracy", "--setting", "digits", "--methods", "fedavg", "--splits", "dirichlet"]
+        argv += ["--seeds", "0", "1", "--rounds-scale", str(2 / 300), "--out-dir", str(out_dir)]
+        monkeypatch.setattr(sys, "argv", [*argv, "--log-dir", str(out_dir / "logs"), *more])
+        accuracy.main()
+        rows = json.loads((out_dir / "digits" / "fedavg.json").read_text())["rows"]
+        return [{k: v for k, v in r.items() if k != "seconds_per_round"} for r in rows]
+
+    in_processes = benchmark(tmp_path / "jobs", "--jobs", "2")
+    assert [r["seed"] for r in in_processes] == [0, 1]
+    assert (tmp_path / "jobs" / "logs" / "digits-dirichlet-fedavg-s1.log").exists()
+    assert in_processes == benchmark(tmp_path / "one_by_one")
+    with pytest.raises(SystemExit, match="2 of 2 runs failed: digits-dirichlet-fedavg-s"):
+        benchmark(tmp_path / "bad", "--jobs", "2", "--extra", "--model.init_args.bogus=1")
+
+
 def test_accuracy_resume_needs_the_log_dir(monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import accuracy
 
