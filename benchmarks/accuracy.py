@@ -42,8 +42,10 @@ With ``--jobs N``, each run (method, seed, split) is a process of its own, N at 
 same device (on one GPU, many small runs share it well: 14 at once on an H100 in
 docs/results.md; on a CPU give each one thread, ``OMP_NUM_THREADS=1`` and ``--extra
 --model.init_args.client_threads=1``). Each run's console output goes to
-``<log-dir>/<run>.log``; this process alone writes the out files, as each run ends, so a stop
-loses only the unfinished runs (``--resume`` continues them).
+``<log-dir>/<run>.log`` (appended to when resumed); this process alone writes the out files,
+as each run ends. SIGINT or SIGTERM to it is passed on to the running runs, which save
+``last.ckpt`` and stop, and no new run starts: ``--resume`` with the same ``--log-dir`` goes
+on with the unfinished ones.
 
     python -m benchmarks.accuracy --setting digits --seeds 0 1 2
     python -m benchmarks.accuracy --setting digits --methods fedprox --seeds 0 1 2
@@ -58,9 +60,11 @@ import argparse
 import datetime
 import json
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -307,11 +311,20 @@ def run_in_processes(
 ) -> list[str]:
     """Run each ``(config, seed, split)`` of ``runs`` as ``python -m benchmarks.accuracy`` with
     that one method, seed and split, ``args.jobs`` at a time; merge each finished run's row into
-    ``args.out_dir`` (only here, so no two processes write a file). Returns the failed runs."""
+    ``args.out_dir`` (only here, so no two processes write a file). SIGINT/SIGTERM are passed on
+    to the running runs and start no new one. Returns the runs that failed or were stopped."""
     scratch = Path(tempfile.mkdtemp(prefix="pfl-benchmark-rows-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    running: set[subprocess.Popen[bytes]] = set()
+    lock, stopping = threading.Lock(), threading.Event()
 
-    def one(run: tuple[Path, int, str]) -> tuple[str, int, Path]:
+    def stop(signum: int, frame: object) -> None:
+        stopping.set()
+        with lock:
+            for process in running:
+                process.send_signal(signum)
+
+    def one(run: tuple[Path, int, str]) -> tuple[str, int | None, Path]:
         config, seed, split = run
         name = f"{args.setting}-{split}-{config.stem}-s{seed}"
         command = [sys.executable, "-m", "benchmarks.accuracy", "--setting", args.setting]
@@ -320,23 +333,44 @@ def run_in_processes(
         command += ["--out-dir", str(scratch / name)]
         command += ["--root", args.root] if args.root else []
         command += ["--resume"] if args.resume else []
-        with open(log_dir / f"{name}.log", "w") as log:
-            process = subprocess.run(
-                [*command, "--extra", *args.extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
-            )
-        return name, process.returncode, scratch / name / args.setting / f"{config.stem}.json"
+        result = scratch / name / args.setting / f"{config.stem}.json"
+        if stopping.is_set():
+            return name, None, result
+        with open(log_dir / f"{name}.log", "a") as log:  # a resumed run adds to its log
+            with lock:  # a signal between the check and the start must reach this run too
+                if stopping.is_set():
+                    return name, None, result
+                process = subprocess.Popen(
+                    [*command, "--extra", *args.extra],
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+                running.add(process)
+            code = process.wait()
+        with lock:
+            running.discard(process)
+        return name, code, result
 
     failed = []
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for future in as_completed([pool.submit(one, run) for run in runs]):
-            name, code, result = future.result()
-            if code != 0:
-                failed.append(name)
-                print(f"{name}: failed (exit code {code}), see {log_dir / name}.log")
-                continue
-            rows = json.loads(result.read_text())["rows"]
-            write_rows(Path(args.out_dir) / args.setting / result.name, rows, started)
-            print_table(rows)
+    handlers = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for future in as_completed([pool.submit(one, run) for run in runs]):
+                name, code, result = future.result()
+                if code is None:
+                    failed.append(name)
+                    print(f"{name}: not started (stopped)")
+                elif code != 0:
+                    failed.append(name)
+                    print(f"{name}: failed or stopped (exit code {code}), see {log_dir / name}.log")
+                else:
+                    rows = json.loads(result.read_text())["rows"]
+                    write_rows(Path(args.out_dir) / args.setting / result.name, rows, started)
+                    print_table(rows)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     return failed
 
 
@@ -393,7 +427,10 @@ def main() -> None:
             if not args.splits or split in args.splits
         ]
         if failed := run_in_processes(args, runs, log_dir, started):
-            sys.exit(f"{len(failed)} of {len(runs)} runs failed: {', '.join(failed)}")
+            sys.exit(
+                f"{len(failed)} of {len(runs)} runs failed or were stopped: {', '.join(failed)}; "
+                "the others' rows are written (--resume with this --log-dir continues stopped runs)"
+            )
         return
     for config in configs:
         rows = []

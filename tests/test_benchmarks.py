@@ -418,7 +418,9 @@ def test_accuracy_jobs_run_each_seed_in_its_own_process_to_the_same_rows(
     assert [r["seed"] for r in in_processes] == [0, 1]
     assert (tmp_path / "jobs" / "logs" / "digits-dirichlet-fedavg-s1.log").exists()
     assert in_processes == benchmark(tmp_path / "one_by_one")
-    with pytest.raises(SystemExit, match="2 of 2 runs failed: digits-dirichlet-fedavg-s"):
+    with pytest.raises(
+        SystemExit, match="2 of 2 runs failed or were stopped: digits-dirichlet-fedavg-s"
+    ):
         benchmark(tmp_path / "bad", "--jobs", "2", "--extra", "--model.init_args.bogus=1")
 
 
