@@ -345,6 +345,9 @@ def run_in_processes(
                     cwd=REPO,
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    # out of the terminal's process group: a Ctrl-C reaches each run once,
+                    # through stop(), not also directly (a second SIGINT stops a run unsaved)
+                    start_new_session=True,
                 )
                 running.add(process)
             code = process.wait()
