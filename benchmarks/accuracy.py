@@ -270,6 +270,11 @@ def run_arguments(
     ]
 
 
+def run_name(setting: str, split: str, method: str, seed: int) -> str:
+    """A run's name: its folder under ``--log-dir`` (where ``--resume`` looks for it)."""
+    return f"{setting}-{split}-{method}-s{seed}"
+
+
 def with_machine(row: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
     """``row`` with the ``device`` and ``torch`` of ``environment`` unless it names its own."""
     return {"device": environment["device"], "torch": environment["torch"], **row}
@@ -326,7 +331,7 @@ def run_in_processes(
 
     def one(run: tuple[Path, int, str]) -> tuple[str, int | None, Path]:
         config, seed, split = run
-        name = f"{args.setting}-{split}-{config.stem}-s{seed}"
+        name = run_name(args.setting, split, config.stem, seed)
         command = [sys.executable, "-m", "benchmarks.accuracy", "--setting", args.setting]
         command += ["--methods", config.stem, "--seeds", str(seed), "--splits", split]
         command += ["--rounds-scale", str(args.rounds_scale), "--log-dir", str(log_dir)]
@@ -421,13 +426,14 @@ def main() -> None:
         configs = [c for c in configs if c.stem in args.methods]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pfl-benchmark-"))
     print(f"run logs: {log_dir}")
+    chosen = {
+        split: split_args
+        for split, split_args in splits.items()
+        if not args.splits or split in args.splits
+    }
     if args.jobs > 1:
         runs = [
-            (config, seed, split)
-            for config in configs
-            for seed in args.seeds
-            for split in splits
-            if not args.splits or split in args.splits
+            (config, seed, split) for config in configs for seed in args.seeds for split in chosen
         ]
         if failed := run_in_processes(args, runs, log_dir, started):
             sys.exit(
@@ -438,13 +444,11 @@ def main() -> None:
     for config in configs:
         rows = []
         for seed in args.seeds:
-            for split, split_args in splits.items():
-                if args.splits and split not in args.splits:
-                    continue
+            for split, split_args in chosen.items():
                 extra = run_arguments(
                     config, base + split_args, seed, args.rounds_scale, args.extra
                 )
-                name = f"{args.setting}-{split}-{config.stem}-s{seed}"
+                name = run_name(args.setting, split, config.stem, seed)
                 if args.resume and checkpointed_versions(log_dir / name):
                     print(f"{name}: resuming from its last.ckpt")
                     extra.append("--ckpt_path=last")

@@ -65,7 +65,8 @@ def _seconds_per_round(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         by_device[row.get("device", "")].append(row["seconds_per_round"])
     if len(by_device) == 1:
-        return f"{statistics.mean(row['seconds_per_round'] for row in rows):.3f}"
+        (seconds,) = by_device.values()
+        return f"{statistics.mean(seconds):.3f}"
     return ", ".join(
         f"{statistics.mean(seconds):.3f} ({device.removeprefix('NVIDIA ').split(' ')[0] or '?'})"
         for device, seconds in sorted(by_device.items())

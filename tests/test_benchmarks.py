@@ -424,6 +424,17 @@ def test_accuracy_jobs_run_each_seed_in_its_own_process_to_the_same_rows(
         benchmark(tmp_path / "bad", "--jobs", "2", "--extra", "--model.init_args.bogus=1")
 
 
+def test_accuracy_jobs_must_be_at_least_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import accuracy
+
+    monkeypatch.setattr(sys, "argv", ["accuracy", "--setting", "digits", "--jobs", "0"])
+    with pytest.raises(SystemExit):
+        accuracy.main()
+    assert "--jobs 0: runs at once must be 1 or more" in capsys.readouterr().err
+
+
 def test_accuracy_resume_needs_the_log_dir(monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import accuracy
 
