@@ -1,6 +1,9 @@
 import argparse
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -422,6 +425,57 @@ def test_accuracy_jobs_run_each_seed_in_its_own_process_to_the_same_rows(
         SystemExit, match="2 of 2 runs failed or were stopped: digits-dirichlet-fedavg-s"
     ):
         benchmark(tmp_path / "bad", "--jobs", "2", "--extra", "--model.init_args.bogus=1")
+
+
+def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_full_rows(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM to the benchmark alone (a scheduler's ``kill``) must reach the runs, which start
+    in their own sessions: each saves after its round and stops, no row is written for it, and
+    ``--resume`` finishes both from their checkpoints."""
+    logs = tmp_path / "logs"
+    command = [sys.executable, "-m", "benchmarks.accuracy", "--setting", "digits", "--jobs", "2"]
+    command += ["--methods", "fedavg", "--splits", "dirichlet", "--seeds", "0", "1"]
+    command += ["--rounds-scale", str(24 / 300), "--log-dir", str(logs)]
+    command += ["--out-dir", str(tmp_path / "out")]
+    cheap_rounds = ["--extra", "--model.init_args.local_steps=2"]
+    names = [f"digits-dirichlet-fedavg-s{seed}" for seed in (0, 1)]
+    repo = Path(__file__).parents[1]
+    benchmark = subprocess.Popen(
+        [*command, *cheap_rounds],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def log(name: str) -> str:
+        path = logs / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    deadline = time.monotonic() + 240
+    while not all("round 2/24:" in log(name) for name in names):  # both are training
+        assert benchmark.poll() is None, benchmark.communicate()[0].decode()
+        assert time.monotonic() < deadline, [log(name) for name in names]
+        time.sleep(0.1)
+    benchmark.send_signal(signal.SIGTERM)
+    output = benchmark.communicate(timeout=240)[0].decode()
+    assert benchmark.returncode == 1, output
+    assert "2 of 2 runs failed or were stopped" in output
+    for name in names:
+        assert log(name).count("SIGTERM received: stopped after round") == 1, log(name)
+        assert checkpointed_versions(logs / name)
+        assert not (tmp_path / "out" / "digits" / "fedavg.json").exists()
+
+    resumed = subprocess.run(
+        [*command, "--resume", *cheap_rounds], cwd=repo, capture_output=True, text=True, timeout=240
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    rows = json.loads((tmp_path / "out" / "digits" / "fedavg.json").read_text())["rows"]
+    assert [(row["seed"], row["rounds"]) for row in rows] == [(0, 24), (1, 24)]
+    for name in names:
+        assert log(name).count("resuming from its last.ckpt") == 1
+        assert [p.name for p in (logs / name).iterdir()] == ["version_0"]
 
 
 def test_accuracy_jobs_must_be_at_least_one(
