@@ -433,17 +433,18 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
     """SIGTERM to the benchmark alone (a scheduler's ``kill``) must reach the runs, which start
     in their own sessions: each saves after its round and stops, no row is written for it, and
     ``--resume`` finishes both from their checkpoints."""
+    from benchmarks import accuracy
+
     logs = tmp_path / "logs"
     command = [sys.executable, "-m", "benchmarks.accuracy", "--setting", "digits", "--jobs", "2"]
     command += ["--methods", "fedavg", "--splits", "dirichlet", "--seeds", "0", "1"]
     command += ["--rounds-scale", str(24 / 300), "--log-dir", str(logs)]
     command += ["--out-dir", str(tmp_path / "out")]
     cheap_rounds = ["--extra", "--model.init_args.local_steps=2"]
-    names = [f"digits-dirichlet-fedavg-s{seed}" for seed in (0, 1)]
-    repo = Path(__file__).parents[1]
+    names = [accuracy.run_name("digits", "dirichlet", "fedavg", seed) for seed in (0, 1)]
     benchmark = subprocess.Popen(
         [*command, *cheap_rounds],
-        cwd=repo,
+        cwd=accuracy.REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -462,13 +463,17 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
     output = benchmark.communicate(timeout=240)[0].decode()
     assert benchmark.returncode == 1, output
     assert "2 of 2 runs failed or were stopped" in output
+    assert not (tmp_path / "out" / "digits" / "fedavg.json").exists()
     for name in names:
         assert log(name).count("SIGTERM received: stopped after round") == 1, log(name)
         assert checkpointed_versions(logs / name)
-        assert not (tmp_path / "out" / "digits" / "fedavg.json").exists()
 
     resumed = subprocess.run(
-        [*command, "--resume", *cheap_rounds], cwd=repo, capture_output=True, text=True, timeout=240
+        [*command, "--resume", *cheap_rounds],
+        cwd=accuracy.REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     rows = json.loads((tmp_path / "out" / "digits" / "fedavg.json").read_text())["rows"]
