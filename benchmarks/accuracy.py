@@ -29,10 +29,12 @@ Every row also records the training stability: the largest per-round mean local 
 
 Every run goes through the CLI (``fit``, then test) and its ``results.json`` is collected. Rows
 (one per split and seed) go to ``<out-dir>/<setting>/<config name>.json``, one file per method,
-with the environment and the command (each row names its ``device`` and ``torch``); rows of
-the same split and seed are replaced, others kept, so methods and seeds can be run separately,
-also on different machines. ``python -m benchmarks.report DIR`` renders a
-folder as a table with the mean and standard deviation over seeds.
+with the environment and the command that last wrote the file; each row names its ``device``,
+``torch``, ``commit`` and ``cli``, the arguments that train it again (``python cli.py *cli`` at
+that commit; a resumed run's are those of one that was not interrupted). Rows of the same
+split and seed are replaced, others kept, so methods and seeds can be run separately, also on
+different machines. ``python -m benchmarks.report DIR`` renders a folder as a table with the
+mean and standard deviation over seeds.
 
 With ``--resume`` and the ``--log-dir`` of an interrupted benchmark, every run that left a
 ``checkpoints/last.ckpt`` there goes on from it (``--ckpt_path last``: the same run folder, the
@@ -173,11 +175,19 @@ def training_stability(run_dir: Path, after: int = 100, threshold: float = 5.0) 
 
 
 def summarize(
-    method: str, split: str, seed: int, result: dict[str, Any], commit: str
+    method: str,
+    split: str,
+    seed: int,
+    result: dict[str, Any],
+    commit: str,
+    cli: list[str] | None = None,
 ) -> dict[str, Any]:
+    """One row of a results file; ``cli`` is the run's CLI arguments (``python cli.py *cli``
+    trains it again at ``commit``), without where the run logged or that it was resumed."""
     best, last = result["test_at_best_val"] or {}, result["test_last"] or {}
     return {
         "commit": commit,
+        **({"cli": cli} if cli is not None else {}),
         "method": method,
         "class": result["method"],
         "split": split,
@@ -449,11 +459,12 @@ def main() -> None:
                     config, base + split_args, seed, args.rounds_scale, args.extra
                 )
                 name = run_name(args.setting, split, config.stem, seed)
+                cli = ["fit", f"--config={config.relative_to(REPO)}", *extra]
                 if args.resume and checkpointed_versions(log_dir / name):
                     print(f"{name}: resuming from its last.ckpt")
                     extra.append("--ckpt_path=last")
                 result = run_one(config, extra, log_dir, name)
-                rows.append(summarize(config.stem, split, seed, result, started["commit"]))
+                rows.append(summarize(config.stem, split, seed, result, started["commit"], cli))
                 print_table(rows[-1:])
         write_rows(Path(args.out_dir) / args.setting / f"{config.stem}.json", rows, started)
 

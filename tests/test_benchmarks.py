@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import evaluation, report, speed
-from lightning_pfl.cli import checkpointed_versions
+from lightning_pfl.cli import checkpointed_versions, run
 from tests.conftest import build, digits_data
 from tests.helpers import CONF, cli, run_dir
 
@@ -402,6 +402,33 @@ def test_accuracy_resume_goes_on_from_an_interrupted_runs_checkpoint_to_the_same
     fresh = benchmark(tmp_path / "fresh", tmp_path / "out_fresh")
     assert resumed["rounds"] == 4
     assert resumed == fresh
+
+
+def test_an_accuracy_rows_cli_arguments_train_the_same_row_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import accuracy
+
+    argv = ["accuracy", "--setting", "digits", "--methods", "fedavg", "--splits", "dirichlet"]
+    argv += ["--seeds", "1", "--rounds-scale", str(3 / 300), "--log-dir", str(tmp_path / "logs")]
+    argv += ["--out-dir", str(tmp_path / "out"), "--extra", "--model.init_args.local_epochs=2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    accuracy.main()
+    [row] = json.loads((tmp_path / "out" / "digits" / "fedavg.json").read_text())["rows"]
+    assert row["cli"][:2] == ["fit", "--config=configs/digits/fedavg.yaml"]
+    assert "--model.init_args.seed=1" in row["cli"]
+    assert row["cli"][-1] == "--model.init_args.local_epochs=2"
+    monkeypatch.chdir(accuracy.REPO)  # the config path is relative to the repository
+    logging = [
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+    ]
+    instance = run([*row["cli"], *logging])
+    again = json.loads((Path(instance.trainer.log_dir) / "results.json").read_text())
+    assert again["rounds"] == row["rounds"] == 3
+    assert again["best_round"] == row["best_round"]
+    assert again["test_last"]["acc"] == row["test_acc_last"]
+    assert again["test_at_best_val"]["acc"] == row["test_acc_at_best_val"]
 
 
 def test_accuracy_jobs_run_each_seed_in_its_own_process_to_the_same_rows(
