@@ -180,14 +180,14 @@ def summarize(
     seed: int,
     result: dict[str, Any],
     commit: str,
-    cli: list[str] | None = None,
+    cli: list[str],
 ) -> dict[str, Any]:
     """One row of a results file; ``cli`` is the run's CLI arguments (``python cli.py *cli``
     trains it again at ``commit``), without where the run logged or that it was resumed."""
     best, last = result["test_at_best_val"] or {}, result["test_last"] or {}
     return {
         "commit": commit,
-        **({"cli": cli} if cli is not None else {}),
+        "cli": cli,
         "method": method,
         "class": result["method"],
         "split": split,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import evaluation, report, speed
-from lightning_pfl.cli import checkpointed_versions, run
+from lightning_pfl.cli import checkpointed_versions
 from tests.conftest import build, digits_data
 from tests.helpers import CONF, cli, run_dir
 
@@ -138,7 +138,10 @@ def test_accuracy_rows_keep_each_client_groups_accuracy_and_the_report_averages_
             "majority_class": {"acc": 0.5, "acc_weighted": 0.4},
         }
 
-    rows = [summarize("mh", "pathological", s, result(a), "abc") for s, a in ((0, 0.9), (1, 0.7))]
+    rows = [
+        summarize("mh", "pathological", s, result(a), "abc", ["fit"])
+        for s, a in ((0, 0.9), (1, 0.7))
+    ]
     assert rows[0]["test_group_acc_at_best_val"] == {"arch_cnn": 0.9, "arch_res": 0.5}
     assert rows[0]["val_acc_at_best"] == 0.85  # the accuracy the best round was chosen by
     assert rows[0]["test_acc_majority_class"] == 0.5
@@ -419,12 +422,7 @@ def test_an_accuracy_rows_cli_arguments_train_the_same_row_again(
     assert "--model.init_args.seed=1" in row["cli"]
     assert row["cli"][-1] == "--model.init_args.local_epochs=2"
     monkeypatch.chdir(accuracy.REPO)  # the config path is relative to the repository
-    logging = [
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.enable_progress_bar=false",
-    ]
-    instance = run([*row["cli"], *logging])
-    again = json.loads((Path(instance.trainer.log_dir) / "results.json").read_text())
+    again = cli(Path("configs/digits/fedavg.yaml"), tmp_path, *row["cli"][2:])
     assert again["rounds"] == row["rounds"] == 3
     assert again["best_round"] == row["best_round"]
     assert again["test_last"]["acc"] == row["test_acc_last"]
