@@ -161,8 +161,8 @@ def build(
     model.attach_data(data)
     model.to(args.device)
     model.store.to(torch.device(args.device), offload=args.device == "cuda")
-    if "graphs" in path:
-        model.round_graphs = model._round_graphs()
+    # as the method's setup() does under a Trainer: `default` gets whatever the device's default is
+    model.round_graphs = model._round_graphs()
     return model
 
 

@@ -37,6 +37,22 @@ def test_the_reference_loop_trains_the_same_model_as_the_engine(path: str) -> No
         torch.testing.assert_close(engine[name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("path", ["default", "vectorized", "vectorized-graphs"])
+def test_speed_gives_every_path_the_round_graphs_a_trainer_would(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU's `default` is graphed under a Trainer, so the benchmark's `default` must be too."""
+    recorded = object()
+    monkeypatch.setattr(
+        speed.FederatedMethod,
+        "_round_graphs",
+        lambda self: recorded if self.hp.cuda_graphs in (None, True) else None,
+    )
+    args = argparse.Namespace(device="cpu", **TINY)
+    model = speed.build("FedAvg", num_clients=4, clients_per_round=3, args=args, path=path)
+    assert (model.round_graphs is recorded) == (path != "vectorized")
+
+
 def test_speed_times_a_fedtp_round_that_trains_its_generated_qkv() -> None:
     args = argparse.Namespace(device="cpu", workload="cifar_vit", batch=4, steps=1)
     model = speed.build("FedTP", num_clients=3, clients_per_round=1, args=args, path="default")
