@@ -202,7 +202,9 @@ def _ratio(value: float | None) -> str:
 
 
 def speed_table(result: dict[str, Any]) -> str:
-    lines = [
+    """The rows of a speed result, after its `note` (a caveat added to the file) if it has one."""
+    lines = [f"> {result['note']}", ""] if result.get("note") else []
+    lines += [
         "| method | clients/round | path | precision | s/round | client updates/s | TFLOP/s "
         "| vs reference | vs sequential |",
         "|---|---|---|---|---|---|---|---|---|",

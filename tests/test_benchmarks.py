@@ -131,6 +131,9 @@ def test_report_renders_end_to_end_rows_and_skips_an_empty_total_clients_table()
     table = report.speed_table(result)
     assert "total clients" not in table
     assert "| vectorized | 9 | 0.2500 | 0.2000 |" in table.splitlines()
+    assert table.startswith("| method")
+    noted = report.speed_table({**result, "note": "default rows: eager vmap"}).splitlines()
+    assert noted[:3] == ["> default rows: eager vmap", "", table.splitlines()[0]]
 
 
 def test_accuracy_rows_keep_each_client_groups_accuracy_and_the_report_averages_seeds() -> None:
