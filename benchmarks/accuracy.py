@@ -200,6 +200,11 @@ def summarize(
         "test_acc_weighted_at_best_val": best.get("acc_weighted"),
         "test_acc_last": last.get("acc"),
         "test_acc_weighted_last": last.get("acc_weighted"),
+        # the papers' summaries over evaluations (lightning_pfl.metrics.over_evaluations)
+        "test_max_over_evals": result.get("test_max_over_evals"),
+        "test_last_evals": result.get("test_last_evals"),
+        "eval_history": result.get("eval_history"),
+        **({"paper": result["paper"]} if "paper" in result else {}),
         # per client group (e.g. arch_<name> of model-heterogeneous methods), mean over clients
         "test_group_acc_at_best_val": {
             key.removesuffix("/acc"): value for key, value in best.items() if key.endswith("/acc")

@@ -26,6 +26,7 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 import lightning_pfl.methods as methods_module
 from lightning_pfl import partition as partition_module
@@ -33,6 +34,7 @@ from lightning_pfl.callbacks import RoundCheckpoint
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.errors import ConfigError, PFLError
 from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.papers import describe_record, paper_record
 
 DEFAULT_LOGS = "logs"
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -56,6 +58,7 @@ RUNTIME_KEYS = {
     "model.init_args.cuda_graphs",
     "model.init_args.client_threads",
     "model.init_args.eval_batch_size",
+    "model.init_args.last_evals",
     "model.init_args.offload_client_state",
     "data.init_args.root",
     "data.init_args.download",
@@ -205,6 +208,11 @@ class PFLCLI(LightningCLI):
         """Never replace the config with the checkpoint's hyperparameters (see _check_resume)."""
 
     # ----------------------------------------------------------------- before instantiation
+    def _set_seed(self) -> None:
+        # LightningCLI seeds first and logs it; the paper check is to be the run's first line.
+        self.paper = self._paper_record(self.config[self.subcommand])
+        super()._set_seed()
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
         assert self.subcommand is not None
@@ -233,6 +241,19 @@ class PFLCLI(LightningCLI):
         )
         flat = flatten({"model": dumped["model"], "data": dumped["data"]})
         return {k: v for k, v in flat.items() if k not in RUNTIME_KEYS}
+
+    def _paper_record(self, config: Namespace) -> dict[str, Any] | None:
+        """The fact-table check of the last config file (``lightning_pfl.papers``), announced
+        in the run's first log line."""
+        files = config.get("config") or []
+        if not files:
+            return None
+        path = Path(str(files[-1]))
+        dumped = json.loads(self._parser(self.subcommand).dump(config, format="json"))
+        record = paper_record(path, flatten(dumped))
+        if record is not None:
+            rank_zero_info(describe_record(path, record))
+        return record
 
     def _compare(self, saved: Mapping[str, Any] | None, source: str) -> None:
         if saved is None:
@@ -341,6 +362,7 @@ class PFLCLI(LightningCLI):
         results = {
             **self.model.results(),
             "subcommand": self.subcommand,
+            **({"paper": self.paper} if self.paper is not None else {}),
             "config": json.loads(config),
         }
         path = os.path.join(log_dir, "results.json")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
@@ -66,3 +68,35 @@ class ClientAccuracy(Metric):
             "loss": loss.mean(),
             "loss_weighted": self.loss_sum.sum() / self.total.sum(),
         }
+
+
+ACCURACIES = ("acc", "acc_weighted")
+
+
+def over_evaluations(history: list[dict[str, float]], last: int) -> dict[str, dict[str, Any]]:
+    """The papers' summaries of test accuracy over a run's evaluations.
+
+    ``history`` holds one entry per evaluation in round order, with the test split's ``round``,
+    ``acc`` (mean over clients) and ``acc_weighted`` (pooled). Returns:
+
+    - ``test_max_over_evals``: the best of each accuracy over all evaluations and the round it
+      was reached at (``round_acc``, ``round_acc_weighted``; the first such round on ties),
+      pFedKT's Table 1 number;
+    - ``test_last_evals``: mean and standard deviation (population, ddof 0) of each accuracy over
+      the last ``last`` evaluations (all of them when there are fewer; ``n`` says how many were
+      used, ``rounds`` which), FedTP's number (evaluations every 5 rounds over its last 200).
+    """
+    if not history:
+        return {}
+    best: dict[str, Any] = {}
+    for key in ACCURACIES:
+        top = max(history, key=lambda entry: entry[key])
+        best[key] = top[key]
+        best[f"round_{key}"] = top["round"]
+    tail = history[-last:]
+    spread: dict[str, Any] = {"n": len(tail), "rounds": [entry["round"] for entry in tail]}
+    for key in ACCURACIES:
+        values = torch.tensor([entry[key] for entry in tail], dtype=torch.float64)
+        spread[f"{key}_mean"] = float(values.mean())
+        spread[f"{key}_std"] = float(values.std(unbiased=False))
+    return {"test_max_over_evals": best, "test_last_evals": spread}

@@ -104,7 +104,8 @@ def assert_resume_is_exact(config: Path, tmp_path: Path, *extra: str) -> None:
     resumed = cli(
         config, tmp_path / "resumed", "--trainer.max_steps=6", "--ckpt_path=last", *common
     )
-    for key in ("rounds", "val_last", "best_round", "val_at_best", "test_at_best_val"):
+    keys = ("rounds", "val_last", "best_round", "val_at_best", "test_at_best_val", "eval_history")
+    for key in (*keys, "test_max_over_evals", "test_last_evals"):
         assert resumed[key] == straight[key], key
     assert resumed["comm_bytes_up_total"] == straight["comm_bytes_up_total"]
     a = torch.load(run_dir(tmp_path / "straight", config) / "checkpoints" / "last.ckpt")

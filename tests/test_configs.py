@@ -1,19 +1,56 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
-from lightning_pfl.cli import run
+from lightning_pfl.cli import flatten, run
+from lightning_pfl.papers import PaperEntry, load_fact_tables, overrides
 
 ROOT = Path(__file__).parents[1]
-CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "papers")
+FACTS = load_fact_tables(ROOT / "configs")
+# Folders named after a paper: every config there reproduces one of its tables (and is listed
+# by a fact entry) or says in its name that it is reduced.
+PAPER_FOLDERS = ("pfedhn", "pfedhn_pc", "pfedkt", "fedsimsup", "mh_pfedhn", "fedtp", "baselines")
+
+
+def entries_listing(config: Path) -> list[PaperEntry]:
+    relative = config.relative_to(ROOT / "configs").as_posix()
+    return [entry for entry in FACTS if relative in entry.configs]
 
 
 @pytest.mark.parametrize(
     "config", CONFIGS, ids=[str(c.relative_to(ROOT / "configs")) for c in CONFIGS]
 )
-def test_every_shipped_config_parses(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_shipped_config_parses_and_holds_its_papers_settings(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run(["fit", f"--config={config}", "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "class_path" in printed and "max_steps" in printed
+    flat = flatten(yaml.safe_load(printed))
+    for entry in entries_listing(config):
+        found = [o.describe() for o in overrides(entry, flat)]
+        assert not found, f"{entry.facts.name} {entry.name}: {found}"
+
+
+def test_every_fact_entry_lists_existing_configs_and_cites_a_metric() -> None:
+    assert FACTS, "no fact tables under configs/papers"
+    for entry in FACTS:
+        for config in entry.configs:
+            assert (ROOT / "configs" / config).is_file(), f"{entry.name}: no configs/{config}"
+        head = entry.metric.split(".")[0]
+        assert head in {"test_at_best_val", "test_max_over_evals", "test_last_evals"}, entry
+
+
+@pytest.mark.parametrize("folder", PAPER_FOLDERS)
+def test_paper_folders_hold_paper_configs_or_say_they_are_reduced(folder: str) -> None:
+    for config in sorted((ROOT / "configs" / folder).rglob("*.yaml")):
+        if "reduced" in config.stem:
+            lines = config.read_text().splitlines()
+            header = " ".join(line for line in lines if line.startswith("#")).lower()
+            assert "reduced" in header, f"{config}: the header must say what is reduced"
+        else:
+            assert entries_listing(config), f"{config}: no fact entry lists it"
