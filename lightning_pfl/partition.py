@@ -315,3 +315,94 @@ class Pachinko(Partitioner):
                 coarse_left[k] -= 1
             parts.append(np.sort(np.array(taken, dtype=np.int64)))
         return parts
+
+
+class ClientDirichlet(Partitioner):
+    """Per-client Dirichlet class proportions (pFedHN section 5.3): client i draws its class
+    proportions q_i ~ Dir(alpha_i 1_C), alpha_i = ``alpha`` for the first ``n - novel_clients``
+    clients and ``novel_alpha`` for the last ``novel_clients`` (the held-out novel clients of
+    ``model.init_args.novel_clients``).
+
+    Every client gets the same number of training samples s and holds s q_i of them, rounded
+    by largest remainder (its counts sum to exactly s), dealt without replacement: class c's
+    samples are shuffled once and cut into consecutive runs, one per client in client order.
+    s is the largest size for which every class has enough samples whatever the rounding,
+    ``s = floor(min_c (N_c - n) / sum_i q_ic)`` (N_c the class's samples), capped at
+    ``samples_per_client``; the samples no client needs stay unused, so the proportions are
+    the drawn ones instead of being bent by the classes that run out. Three independent
+    streams of the split's generator draw the training clients' proportions, the novel
+    clients' and the dealing, so with the same seed and the same s the training clients get
+    the same samples whatever ``novel_alpha`` is.
+
+    Args:
+        alpha: concentration of the training clients (pFedHN section 5.3: 0.1).
+        novel_alpha: concentration of the novel clients (section 5.3: 0.1, 0.25, 0.5 or 1);
+            None: ``alpha``.
+        novel_clients: how many of the last clients draw with ``novel_alpha``; must equal
+            ``model.init_args.novel_clients`` (the ``NovelClients`` callback checks).
+        samples_per_client: the largest s (None: as many as the classes allow).
+    """
+
+    def __init__(
+        self,
+        alpha: PositiveFloat = 0.1,
+        novel_alpha: PositiveFloat | None = None,
+        novel_clients: NonNegativeInt = 0,
+        samples_per_client: PositiveInt | None = None,
+    ) -> None:
+        self._check(
+            alpha=alpha,
+            novel_alpha=novel_alpha,
+            novel_clients=novel_clients,
+            samples_per_client=samples_per_client,
+        )
+        self.alpha = alpha
+        self.novel_alpha = alpha if novel_alpha is None else novel_alpha
+        self.novel_clients = novel_clients
+        self.samples_per_client = samples_per_client
+
+    def proportions(
+        self, num_clients: int, num_classes: int, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.random.Generator]:
+        """Each client's drawn class proportions ``[n, C]`` and the generator that deals."""
+        if self.novel_clients > num_clients:
+            raise PartitionError(
+                f"ClientDirichlet: novel_clients = {self.novel_clients} > num_clients = "
+                f"{num_clients}; lower {SECTION}.init_args.novel_clients."
+            )
+        train_rng, novel_rng, deal_rng = rng.spawn(3)
+        train = num_clients - self.novel_clients
+        q = np.concatenate(
+            [
+                train_rng.dirichlet(np.full(num_classes, self.alpha), size=train),
+                novel_rng.dirichlet(
+                    np.full(num_classes, self.novel_alpha), size=self.novel_clients
+                ),
+            ]
+        )
+        return q, deal_rng
+
+    def split(
+        self,
+        labels: np.ndarray,
+        num_clients: int,
+        num_classes: int,
+        rng: np.random.Generator,
+        coarse_labels: np.ndarray | None = None,
+    ) -> IndexLists:
+        self._check_clients(num_clients, len(labels))
+        q, deal_rng = self.proportions(num_clients, num_classes, rng)
+        totals = np.bincount(labels, minlength=num_classes)
+        demand = q.sum(0)
+        room = (totals - num_clients) / np.maximum(demand, 1e-300)
+        size = int(np.floor(room.min())) if (demand > 0).any() else 0
+        if self.samples_per_client is not None:
+            size = min(size, self.samples_per_client)
+        if size < 1:
+            raise PartitionError(
+                f"ClientDirichlet: {len(labels)} samples in {num_classes} classes cannot give "
+                f"{num_clients} clients a sample each in their drawn proportions; lower "
+                "num_clients or raise alpha."
+            )
+        counts = np.stack([largest_remainder(size, q[i], deal_rng) for i in range(num_clients)])
+        return split_by_counts(labels, counts, deal_rng)

@@ -4,6 +4,7 @@ import pytest
 from lightning_pfl.partition import (
     IID,
     ClassesPerClient,
+    ClientDirichlet,
     Dirichlet,
     Pachinko,
     Partitioner,
@@ -126,3 +127,65 @@ def test_iid_gives_equal_sizes_even_with_more_clients_than_samples_per_class() -
     labels = np.random.default_rng(0).integers(0, 10, 50_000)
     sizes = [len(p) for p in split(IID(), 10_000, labels=labels)]
     assert min(sizes) == max(sizes) == 5
+
+
+def dirichlet_purity(alpha: float, classes: int) -> float:
+    """E[sum_c q_c^2] for q ~ Dir(alpha 1_C)."""
+    return (alpha + 1) / (classes * alpha + 1)
+
+
+def test_client_dirichlet_draws_each_clients_proportions_with_its_alpha() -> None:
+    """pFedHN section 5.3: every client draws its own class proportions, the training clients
+    from Dir(alpha), the last novel_clients from Dir(novel_alpha). Each client's counts are its
+    drawn proportions times the common size (largest-remainder rounding), and the mean purity
+    sum_c p_c^2 of each group matches its alpha's expectation."""
+    labels = np.repeat(np.arange(10), 20_000)
+    partitioner = ClientDirichlet(alpha=0.1, novel_alpha=1.0, novel_clients=200)
+    parts = split(partitioner, 400, labels=labels)
+    assert_disjoint(parts)
+    counts = count_matrix(labels, parts, NUM_CLASSES)
+    size = counts.sum(1)
+    assert (size == size[0]).all()
+    q, _ = partitioner.proportions(400, NUM_CLASSES, np.random.default_rng(0))
+    assert np.abs(counts - size[0] * q).max() < 1  # rounding only: the drawn proportions
+    p = counts / size[:, None]
+    purity = (p**2).sum(1)
+    for group, alpha in ((purity[:200], 0.1), (purity[200:], 1.0)):
+        error = 4 * group.std() / np.sqrt(len(group))
+        assert abs(group.mean() - dirichlet_purity(alpha, NUM_CLASSES)) < error
+    assert purity[:200].mean() > purity[200:].mean() + 0.2
+
+
+def test_client_dirichlet_is_seeded_and_keeps_the_training_clients_across_novel_alphas() -> None:
+    labels = np.repeat(np.arange(10), 2_000)
+    make = lambda novel_alpha: ClientDirichlet(0.1, novel_alpha, 5, samples_per_client=100)  # noqa: E731
+    parts = split(make(0.25), 50, labels=labels)
+    again = split(make(0.25), 50, labels=labels)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    other_seed = split(make(0.25), 50, seed=1, labels=labels)
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, other_seed, strict=True))
+    other_novel = split(make(1.0), 50, labels=labels)
+    assert all(np.array_equal(a, b) for a, b in zip(parts[:45], other_novel[:45], strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(parts[45:], other_novel[45:], strict=True))
+    assert [len(p) for p in parts] == [100] * 50
+
+
+def test_client_dirichlet_size_is_the_largest_every_class_allows() -> None:
+    """s = floor(min_c (N_c - n) / sum_i q_ic): every class suffices whatever the rounding."""
+    labels = np.repeat(np.arange(10), np.arange(1, 11) * 100)
+    partitioner = ClientDirichlet(0.3, 2.0, 4)
+    parts = split(partitioner, 30, labels=labels)
+    q, _ = partitioner.proportions(30, NUM_CLASSES, np.random.default_rng(0))
+    totals = np.bincount(labels, minlength=NUM_CLASSES)
+    expected = int(np.floor(((totals - 30) / q.sum(0)).min()))
+    assert [len(p) for p in parts] == [expected] * 30
+    assert sum(len(p) for p in parts) <= len(labels)
+
+
+def test_client_dirichlet_refuses_impossible_splits() -> None:
+    with pytest.raises(PartitionError, match="novel_clients"):
+        split(ClientDirichlet(0.1, 1.0, novel_clients=21), 20)
+    with pytest.raises(PartitionError, match="cannot give"):
+        split(ClientDirichlet(0.1), 1000)
+    with pytest.raises(PartitionError, match="novel_alpha"):
+        ClientDirichlet(0.1, novel_alpha=0.0)
