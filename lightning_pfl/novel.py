@@ -11,12 +11,26 @@ on its own training loss through the hypernetwork:
 where L_j is the mean cross-entropy of novel client j's personalized model on its batch of the
 step. The sum over novel clients couples nothing: L_j depends on client j's own tensors only,
 so each receives exactly its own client's gradient, and all novel clients adapt in one forward.
+
+Baselines adapt a novel client by what the method does for a new client (the method's
+``novel_adaptation``): FedAvg and Per-FedAvg take SGD steps from the global model on a copy
+of their own, FedPer and LG-FedAvg train their personal layers from the initialization on the
+frozen shared ones, Local trains its own model from the common initialization; every method
+runs the same protocol (``steps`` plain SGD steps of ``lr`` on the same seeded batches).
+
+The paper's Figure 2 plots each method's generalization gap, the novel clients' accuracy minus
+the training clients', against the total-variation distance of a novel client's label
+distribution to the nearest training client's; ``python -m lightning_pfl.novel OUT.png
+RESULTS.json...`` draws it from runs' ``results.json`` files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import argparse
+import json
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,10 +40,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
+from torch.func import vmap
 
-from lightning_pfl.engine import ClientBatches, derive_seed
+from lightning_pfl.engine import ClientBatches, Params, derive_seed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
+from lightning_pfl.partition import ClientDirichlet
 from lightning_pfl.validation import PositiveFloat, PositiveInt, check_arguments
 
 NOVEL_ADAPTATION_STREAM = 101  # derive_seed stream of the adaptation batches
@@ -77,21 +93,29 @@ class NovelClients(Callback):
     :meth:`~lightning_pfl.methods.base.FederatedMethod.novel_adaptation` names take ``steps``
     plain SGD steps on the sum of the novel clients' mean training cross-entropy, each step on
     a fresh seeded batch of ``model.init_args.batch_size`` of every novel client's training
-    data (the same for every run with the method's seed). What adapts: pFedHN the novel
-    clients' embeddings; pFedHN-PC their embeddings and personal heads (from the heads' shared
-    initialization); the MH-pFedHN family their slot embeddings, the hypernetwork heads no
-    training client uses (an architecture size only novel clients have) and, through the
-    training-mode forwards, their batch-norm running statistics.
+    data (the same for every run and method with the same seed). What adapts: pFedHN the
+    novel clients' embeddings; pFedHN-PC their embeddings and personal heads (from the heads'
+    shared initialization); the MH-pFedHN family their slot embeddings, the hypernetwork heads
+    no training client uses (an architecture size only novel clients have) and, through the
+    training-mode forwards, their batch-norm running statistics; FedAvg and Per-FedAvg a copy
+    of the global model each; FedPer and LG-FedAvg their personal layers from the
+    initialization, the shared ones frozen; Local its own model from the common
+    initialization.
+
+    The generalization gap of novel client j is ``acc_j - acc_train``: its test accuracy
+    after the adaptation minus the training clients' mean test accuracy at the round with the
+    best validation (``test_at_best_val.acc``, the number the paper's tables report; the
+    final round's when nothing was validated).
 
     Logged at x = adaptation step, at step 0 and every ``eval_every`` steps (and the last):
     ``novel/test_acc`` (mean over novel clients of their personalized test accuracy) and
-    ``novel/test_acc_weighted`` (pooled over their test samples); at step 0 also
-    ``novel/train_clients_test_acc`` (mean test accuracy of the training clients, for
-    reference). With a TensorBoard logger, ``novel/accuracy_vs_tv_distance`` plots each novel
-    client's final accuracy against the total-variation distance of its training label
-    distribution to the nearest training client's. ``results.json`` gets a ``novel_clients``
-    entry (see :meth:`summary`). Every adapted tensor (and updated buffer) is restored to its
-    trained value afterwards, so checkpoints and a resumed run never see the adaptation (call
+    ``novel/test_acc_weighted`` (pooled over their test samples); once, at step 0,
+    ``novel/train_clients_test_acc`` (acc_train) and ``novel/gap`` (the mean gap). With a
+    TensorBoard logger, ``novel/gap_vs_tv_distance`` plots each novel client's gap against the
+    total-variation distance of its training label distribution to the nearest training
+    client's (the paper's Figure 2). ``results.json`` gets a ``novel_clients`` entry (see
+    :meth:`summary`). Every adapted tensor (and updated buffer) is restored to its trained
+    value afterwards, so checkpoints and a resumed run never see the adaptation (call
     :meth:`adapt` directly to keep the adapted tensors).
 
     Args:
@@ -112,6 +136,16 @@ class NovelClients(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self.adaptation(pl_module)  # refuse before the first round, not after the last
+            assert isinstance(pl_module, FederatedMethod)
+            partition = getattr(pl_module.data, "partition", None)
+            held_out = pl_module.hp.novel_clients
+            if isinstance(partition, ClientDirichlet) and partition.novel_clients != held_out:
+                raise ConfigError(
+                    "data.init_args.partition.init_args.novel_clients = "
+                    f"{partition.novel_clients} but model.init_args.novel_clients = {held_out}: "
+                    "the clients drawn with novel_alpha must be the held-out ones; set both "
+                    "to the same number."
+                )
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert isinstance(pl_module, FederatedMethod)
@@ -124,24 +158,35 @@ class NovelClients(Callback):
         with torch.no_grad():
             for tensor, value in zip(changed, trained, strict=True):
                 tensor.copy_(value)
-        train_acc = pl_module._evaluate_all("test")[0]["acc"]
+        last_acc = pl_module._evaluate_all("test")[0]["acc"]
+        best = pl_module.best
+        train_acc = best["test"]["acc"] if best else last_acc
         tv, nearest = self.label_distances(pl_module)
-        final_acc = history["per_client_acc"][-1]
         ids = self.novel_ids(pl_module).tolist()
         summary = self.summary(history, train_acc, ids, tv, nearest)
+        summary["train_clients_round"] = best["round"] if best else pl_module.global_step
+        summary["train_clients_test_acc_last"] = last_acc
         pl_module.extra_results["novel_clients"] = summary
+        logged = {"novel/train_clients_test_acc": train_acc, "novel/gap": summary["gap"]}
         for logger in trainer.loggers:
-            logger.log_metrics({"novel/train_clients_test_acc": train_acc}, step=0)
+            logger.log_metrics(logged, step=0)
         if trainer.is_global_zero and isinstance(trainer.logger, TensorBoardLogger):
+            rows = summary["clients"]
+            figure = gap_vs_distance_figure(
+                {
+                    type(pl_module).__name__: (
+                        [c["tv_distance"] for c in rows],
+                        [c["gap"] for c in rows],
+                    )
+                }
+            )
             trainer.logger.experiment.add_figure(
-                "novel/accuracy_vs_tv_distance",
-                accuracy_vs_distance_figure(tv.tolist(), final_acc),
-                pl_module.global_step,
+                "novel/gap_vs_tv_distance", figure, pl_module.global_step
             )
         rank_zero_info(
             f"novel clients: test acc {summary['test_acc'][0]:.4f} at step 0, "
-            f"{summary['test_acc'][-1]:.4f} after {self.steps} steps (training clients "
-            f"{train_acc:.4f})"
+            f"{summary['test_acc'][-1]:.4f} after {self.steps} steps; training clients "
+            f"{train_acc:.4f} (round {summary['train_clients_round']}), gap {summary['gap']:+.4f}"
         )
 
     # ----------------------------------------------------------------- the protocol
@@ -186,10 +231,14 @@ class NovelClients(Callback):
             grads = torch.autograd.grad(total, adaptation.tensors)
         return total.detach(), list(grads)
 
-    def evaluate_novel(self, method: FederatedMethod) -> Tensor:
+    def evaluate_novel(self, method: FederatedMethod, adaptation: NovelAdaptation) -> Tensor:
         """Per-novel-client test accuracy (NaN without test samples), their mean over clients
         with samples and the pooled accuracy, concatenated ``[m + 2]`` (on device)."""
-        correct, total, _ = method.evaluate(self.novel_ids(method), "test")
+        clients = self.novel_ids(method)
+        if adaptation.params is None:
+            correct, total, _ = method.evaluate(clients, "test")
+        else:
+            correct, total = evaluate_params(method, clients, adaptation.params())
         per_client = torch.where(total > 0, correct / total.clamp_min(1), torch.nan)
         pooled = correct.sum() / total.sum().clamp_min(1)
         return torch.cat([per_client, per_client.nanmean()[None], pooled[None]])
@@ -210,7 +259,7 @@ class NovelClients(Callback):
         }
         for step in range(self.steps + 1):
             if step % self.eval_every == 0 or step == self.steps:
-                *per_client, mean, pooled = self.evaluate_novel(method).tolist()  # host sync
+                *per_client, mean, pooled = self.evaluate_novel(method, adaptation).tolist()
                 history["eval_steps"].append(step)
                 history["per_client_acc"].append(per_client)
                 history["acc"].append(mean)
@@ -248,9 +297,12 @@ class NovelClients(Callback):
 
         Keys: ``steps``, ``lr``, ``eval_steps`` (adaptation steps evaluated), ``test_acc`` and
         ``test_acc_weighted`` (novel clients' mean and pooled test accuracy at each of them),
-        ``train_clients_test_acc``, and ``clients``: per novel client its ``id``,
-        ``tv_distance`` to the nearest training client (``nearest_train_client``) and its test
-        accuracy at step 0 (``test_acc_start``) and at the end (``test_acc_end``).
+        ``train_clients_test_acc`` (acc_train), ``gap`` (``test_acc[-1] - acc_train``),
+        ``tv_distance`` (mean over the novel clients), and ``clients``: per novel client its
+        ``id``, ``tv_distance`` to the nearest training client (``nearest_train_client``), its
+        test accuracy at step 0 (``test_acc_start``) and at the end (``test_acc_end``) and its
+        ``gap`` (``test_acc_end - acc_train``). The callback adds ``train_clients_round`` (the
+        round acc_train is taken at) and ``train_clients_test_acc_last`` (the final round's).
         """
         first, last = history["per_client_acc"][0], history["per_client_acc"][-1]
         rows = zip(ids, tv.tolist(), nearest.tolist(), first, last, strict=True)
@@ -261,6 +313,8 @@ class NovelClients(Callback):
             "test_acc": history["acc"],
             "test_acc_weighted": history["acc_weighted"],
             "train_clients_test_acc": train_acc,
+            "gap": history["acc"][-1] - train_acc,
+            "tv_distance": float(tv.mean()),
             "clients": [
                 {
                     "id": i,
@@ -268,33 +322,78 @@ class NovelClients(Callback):
                     "nearest_train_client": j,
                     "test_acc_start": a0,
                     "test_acc_end": a1,
+                    "gap": a1 - train_acc,
                 }
                 for i, d, j, a0, a1 in rows
             ],
         }
 
 
-def accuracy_vs_distance_figure(distance: list[float], accuracy: list[float]) -> Any:
-    """Scatter of each novel client's final test accuracy against its TV distance."""
+@torch.no_grad()
+def evaluate_params(
+    method: FederatedMethod, clients: Tensor, params: Params
+) -> tuple[Tensor, Tensor]:
+    """Correct test predictions and test samples of ``clients`` under the models ``params``
+    (stacked ``[len(clients), ...]``), with the method's :meth:`~FederatedMethod.predict`."""
+    by_size = method.data.by_size(clients, "test")
+    params = by_size.sort(params)
+    sums = torch.zeros(len(clients), 2, device=method.device)
+    for k, x, y, weight in by_size.blocks(method.hp.eval_batch_size):
+        logits = vmap(method.predict)({n: t[:k] for n, t in params.items()}, x)
+        hits = (logits.argmax(-1) == y).float()
+        sums[:k] += torch.stack([hits * weight, weight], -1).sum(1)
+    correct, total = by_size.unsort(sums).unbind(1)
+    return correct, total
+
+
+def gap_vs_distance_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]) -> Any:
+    """The paper's Figure 2: per novel client, its generalization gap (test accuracy minus the
+    training clients') against its TV distance to the nearest training client; one series
+    (label: ``(distances, gaps)``) per method or run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.5, 3.5))
-    ax.scatter(distance, accuracy)
+    for label, (distance, gap) in series.items():
+        ax.scatter(distance, gap, label=label, s=14)
+    ax.axhline(0.0, color="grey", linewidth=0.5)
     ax.set_xlim(-0.02, 1.02)
-    ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("TV distance to the nearest training client")
-    ax.set_ylabel("test accuracy after adaptation")
+    ax.set_ylabel("acc(novel) - acc(training clients)")
     ax.set_title("novel clients")
+    ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
 
 
+def main(argv: Sequence[str] | None = None) -> None:
+    """Draw Figure 2 from runs' ``results.json`` (one series per file, labelled by method and
+    file)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("output", type=Path, help="the image to write (e.g. figure2.png)")
+    parser.add_argument("results", type=Path, nargs="+", help="results.json of NovelClients runs")
+    args = parser.parse_args(argv)
+    series = {}
+    for path in args.results:
+        result = json.loads(path.read_text())
+        rows = result["novel_clients"]["clients"]
+        method = str(result.get("config", {}).get("model", {}).get("class_path", "")).split(".")[-1]
+        series[f"{method} {path.parent.name}"] = (
+            [c["tv_distance"] for c in rows],
+            [c["gap"] for c in rows],
+        )
+    gap_vs_distance_figure(series).savefig(args.output, dpi=150)
+
+
 __all__ = [
     "NovelClients",
-    "accuracy_vs_distance_figure",
+    "evaluate_params",
+    "gap_vs_distance_figure",
     "requiring_grad",
     "total_variation_to_nearest",
 ]
+
+if __name__ == "__main__":
+    main()

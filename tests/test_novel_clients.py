@@ -15,9 +15,19 @@ from torch import Tensor
 
 from lightning_pfl import NovelClients
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedAvg, FederatedMethod, PFedHN, PFedHNPC
+from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, PFedHNPC
+from lightning_pfl.methods.fedavg_ft import FedAvgFT
+from lightning_pfl.methods.fedper import FedPer
+from lightning_pfl.methods.lg_fedavg import LGFedAvg
 from lightning_pfl.methods.mh_pfedhn import MHPFedHN, MHPFedHNG
-from lightning_pfl.novel import requiring_grad, total_variation_to_nearest
+from lightning_pfl.methods.per_fedavg import PerFedAvg
+from lightning_pfl.novel import (
+    gap_vs_distance_figure,
+    main,
+    requiring_grad,
+    total_variation_to_nearest,
+)
+from lightning_pfl.partition import ClientDirichlet
 from tests.conftest import build, digits_data, fit
 from tests.helpers import CONF, cli, run_dir
 from tests.test_runs import events
@@ -289,7 +299,7 @@ def test_total_variation_to_the_nearest_training_client() -> None:
 
 def test_methods_that_cannot_adapt_and_runs_without_novel_clients_are_refused() -> None:
     cases = [
-        (build(FedAvg, digits_data(10), clients_per_round=2, novel_clients=2), "FedAvg"),
+        (build(FedAvgFT, digits_data(10), clients_per_round=2, novel_clients=2), "FedAvgFT"),
         (novel_method(novel_clients=0), "model.init_args.novel_clients"),
     ]
     for method, named in cases:
@@ -321,6 +331,131 @@ def test_cli_run_logs_novel_keys_and_writes_the_results_entry(name: str, tmp_pat
     assert [e.step for e in logged.Scalars("novel/test_acc")] == [0, 2, 4]
     assert [e.step for e in logged.Scalars("novel/test_acc_weighted")] == [0, 2, 4]
     assert len(logged.Scalars("novel/train_clients_test_acc")) == 1
-    assert len(logged.Images("novel/accuracy_vs_tv_distance")) == 1
+    assert [e.step for e in logged.Scalars("novel/gap")] == [0]
+    assert len(logged.Images("novel/gap_vs_tv_distance")) == 1
     with open(folder / "results.json") as f:
         assert json.load(f)["novel_clients"] == entry
+
+
+BASELINES = [FedAvg, FedPer, LGFedAvg, PerFedAvg, Local]
+
+
+def baseline(cls: type[FederatedMethod]) -> FederatedMethod:
+    """10 digits clients, the last 2 novel, a small MLP."""
+    extra = {"alpha": 0.05} if cls is PerFedAvg else {}
+    return build(
+        cls,
+        digits_data(10),
+        net="mlp",
+        clients_per_round=4,
+        local_steps=5,
+        batch_size=16,
+        novel_clients=2,
+        seed=0,
+        **extra,
+    )
+
+
+def trained_state(method: FederatedMethod) -> dict[str, Tensor]:
+    return {n: t.clone() for n, t in {**method.state_dict(), **flat_store(method)}.items()}
+
+
+@pytest.mark.parametrize("cls", BASELINES)
+def test_baselines_adapt_novel_clients_and_leave_the_trained_model_bit_identical(
+    cls: type[FederatedMethod],
+) -> None:
+    """Each baseline's novel clients learn under the same protocol as pFedHN's, and the global
+    model, the training clients' state and (after the callback) every tensor are as trained."""
+    method = baseline(cls)
+    trainer = fit(method, method.data, rounds=3)
+    before = trained_state(method)
+    callback = NovelClients(steps=10, lr=0.1, eval_every=10)
+    callback.on_train_end(trainer, method)
+    summary = method.results()["novel_clients"]
+    start, end = summary["test_acc"]
+    assert end > start + 0.1, summary["test_acc"]
+    after = trained_state(method)
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+
+
+@pytest.mark.parametrize("cls", [FedAvg, PerFedAvg])
+def test_fine_tuning_starts_from_the_global_model_on_copies(cls: type[FedAvg]) -> None:
+    method = baseline(cls)
+    assert isinstance(method, FedAvg)
+    adaptation = NovelClients().adaptation(method)
+    assert adaptation.params is not None
+    params = adaptation.params()
+    for name, tensor in method.global_state().items():
+        assert params[name].shape == (2, *tensor.shape)
+        assert torch.equal(params[name][0], tensor) and torch.equal(params[name][1], tensor)
+    assert all(
+        t.data_ptr() != p.data_ptr() for t in adaptation.tensors for p in method.net.parameters()
+    )
+
+
+@pytest.mark.parametrize("cls", [FedPer, LGFedAvg, Local])
+def test_personal_parts_adapt_only_in_the_novel_rows(cls: type[FederatedMethod]) -> None:
+    """FedPer's head, LG-FedAvg's local layers and Local's model train from the
+    initialization in the novel clients' rows; the shared part and every other row stay."""
+    method = baseline(cls)
+    fit(method, method.data, rounds=2)
+    before = trained_state(method)
+    adaptation = NovelClients().adaptation(method)
+    assert adaptation.params is None and adaptation.tensors
+    NovelClients(steps=3, lr=0.1, eval_every=3).adapt(method, adaptation)
+    after = trained_state(method)
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert changed and all(n.startswith("store.") for n in changed), changed
+    for name in changed:
+        assert torch.equal(after[name][:8], before[name][:8]), name
+
+
+def test_gap_uses_the_training_clients_accuracy_at_the_best_validation_round(
+    tmp_path: Path,
+) -> None:
+    method = novel_method(seed=0)
+    callback = NovelClients(steps=4, lr=0.1, eval_every=2)
+    trainer = Trainer(
+        max_steps=6,
+        val_check_interval=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[callback],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(method, datamodule=method.data)
+    summary = method.results()["novel_clients"]
+    assert summary["train_clients_round"] == method.best["round"]
+    assert summary["train_clients_test_acc"] == method.best["test"]["acc"]
+    assert summary["gap"] == summary["test_acc"][-1] - method.best["test"]["acc"]
+    for client in summary["clients"]:
+        assert client["gap"] == client["test_acc_end"] - summary["train_clients_test_acc"]
+    assert summary["tv_distance"] == pytest.approx(
+        sum(c["tv_distance"] for c in summary["clients"]) / 2
+    )
+
+
+def test_client_dirichlet_must_draw_the_held_out_clients_with_novel_alpha() -> None:
+    data = digits_data(10, partition=ClientDirichlet(0.5, 1.0, novel_clients=3))
+    method = build(PFedHN, data, novel_clients=2)
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[NovelClients()])
+    with pytest.raises(ConfigError, match="partition.init_args.novel_clients"):
+        trainer.fit(method, datamodule=data)
+
+
+def test_figure2_is_drawn_from_results_files(tmp_path: Path) -> None:
+    rows = [{"tv_distance": 0.2, "gap": -0.1}, {"tv_distance": 0.6, "gap": -0.3}]
+    paths = []
+    for name in ("pfedhn", "fedavg"):
+        path = tmp_path / name / "results.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"novel_clients": {"clients": rows}, "config": {}}))
+        paths.append(str(path))
+    main([str(tmp_path / "figure2.png"), *paths])
+    assert (tmp_path / "figure2.png").stat().st_size > 0
+    figure = gap_vs_distance_figure({"a": ([0.1], [0.0])})
+    assert figure.axes[0].get_ylabel().startswith("acc(novel)")

@@ -83,11 +83,15 @@ class NovelAdaptation:
             order of the clients), differentiable w.r.t. ``tensors``.
         buffers: tensors ``loss`` updates in place (e.g. the novel clients' batch-norm running
             statistics); restored with ``tensors`` when the callback undoes the adaptation.
+        params: the novel clients' personalized models (stacked ``[m, ...]``) when they are
+            not what :meth:`FederatedMethod.personalized_params` returns (a baseline that
+            fine-tunes its own copies of the global model); None: that method.
     """
 
     tensors: list[Tensor]
     loss: Callable[[Tensor, Tensor], Tensor]
     buffers: list[Tensor] = field(default_factory=list)
+    params: Callable[[], Params] | None = None
 
 
 class FederatedMethod(LightningModule, ABC):
@@ -273,8 +277,9 @@ class FederatedMethod(LightningModule, ABC):
             raise ConfigError(
                 f"trainer.callbacks NovelClients: {type(self).__name__} has no hypernetwork "
                 "``hnet`` with one trainable embedding per client (``hnet.embeddings``), so "
-                "novel clients cannot adapt; use PFedHN, PFedHNPC, MHPFedHN, MHPFedHNG or "
-                "MHPFedHNGD, or remove the callback."
+                "novel clients cannot adapt; use PFedHN, PFedHNPC, MHPFedHN, MHPFedHNG, "
+                "MHPFedHNGD, FedAvg, FedPer, LGFedAvg, PerFedAvg or Local, or remove the "
+                "callback."
             )
         with torch.no_grad():
             unknown = sorted(set(hnet(clients)) - set(self.personalized_params(clients)))

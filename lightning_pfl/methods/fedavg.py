@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.func import vmap
 
-from lightning_pfl.engine import Params, TrainResult, client_mean, drop_batch_counters
-from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.engine import (
+    Params,
+    TrainResult,
+    client_mean,
+    drop_batch_counters,
+    weighted_cross_entropy,
+)
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
 from lightning_pfl.models import build_network
 from lightning_pfl.validation import Momentum, PositiveFloat
+
+
+def novel_loss(method: FederatedMethod, params: Callable[[], Params]) -> Callable[..., Tensor]:
+    """The novel-client adaptation loss: the sum over the novel clients of the mean
+    cross-entropy of :meth:`~FederatedMethod.predict` with ``params()`` (their models,
+    stacked in the order of the batch's rows)."""
+
+    def loss(index: Tensor, weight: Tensor) -> Tensor:
+        x, y = method.data.fetch(index)
+        logits = vmap(method.predict)(params(), x)
+        return vmap(weighted_cross_entropy)(logits, y, weight).sum()
+
+    return loss
 
 
 class FedAvg(FederatedMethod):
@@ -24,6 +46,11 @@ class FedAvg(FederatedMethod):
     sample-weighted average. Buffers (batch-norm running statistics) are averaged the same way.
 
     A client's personalized model is the global model with its personal tensors.
+
+    A novel client (:class:`~lightning_pfl.novel.NovelClients`) does what a new client of the
+    method does (:meth:`novel_adaptation`): FedAvg fine-tunes its own copy of the global model;
+    a method with personal tensors trains its own from their initialization on the frozen
+    global rest.
 
     Subclasses change what is kept (:meth:`personal_names`: FedPer the head, FedBN the batch
     norms, LG-FedAvg the body) and how clients train (:meth:`train_clients`: a proximal term,
@@ -113,3 +140,47 @@ class FedAvg(FederatedMethod):
         if self.personal_names():
             params |= self.store.gather("personal", clients, self.device)
         return params
+
+    # ----------------------------------------------------------------- novel clients
+    def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
+        """What a new client does: with :meth:`personal_names` (FedPer's head, LG-FedAvg's
+        local layers, FedBN's batch norms, ...) it trains its own personal parameters, which
+        a never-sampled client holds at their initialization (LG-FedAvg after
+        ``init_from_fedavg_rounds``: the FedAvg model's), on the frozen global rest; without
+        (FedAvg, FedProx), it fine-tunes its own copy of the global model
+        (:meth:`fine_tune_adaptation`). Batch-norm statistics are not adapted (the loss is
+        the evaluation-mode forward). A subclass whose personalized model is more than the
+        global model with personal tensors (it overrides :meth:`personalized_params`,
+        :meth:`payload` or :meth:`predict`) is refused unless it overrides this hook."""
+        cls = type(self)
+        if (
+            cls.personalized_params is not FedAvg.personalized_params
+            or cls.payload is not FedAvg.payload
+            or cls.predict is not FederatedMethod.predict
+        ):
+            raise ConfigError(
+                f"trainer.callbacks NovelClients: {cls.__name__}'s personalized model is not "
+                "the global model with personal tensors, and it defines no novel-client "
+                "adaptation; use PFedHN, PFedHNPC, FedAvg, FedPer, LGFedAvg, PerFedAvg or "
+                "Local, or remove the callback."
+            )
+        personal = self.personal_names()
+        if not personal:
+            return self.fine_tune_adaptation(clients)
+        stored = self.store.fields["personal"]
+        tensors = [t for n, t in stored.items() if n in personal and n in self.arch.shapes]
+        return NovelAdaptation(tensors, novel_loss(self, lambda: self.personalized_params(clients)))
+
+    def fine_tune_adaptation(self, clients: Tensor) -> NovelAdaptation:
+        """Each novel client fine-tunes its own copy of the global model's parameters (the
+        global model itself is not touched); its buffers stay the global model's."""
+        state = self.global_state()
+        copies = {
+            n: state[n].expand(len(clients), *state[n].shape).clone() for n in self.arch.shapes
+        }
+        buffers = {n: t.expand(len(clients), *t.shape) for n, t in state.items() if n not in copies}
+
+        def params() -> Params:
+            return buffers | copies
+
+        return NovelAdaptation(list(copies.values()), novel_loss(self, params), params=params)

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.engine import Params
-from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
+from lightning_pfl.methods.fedavg import novel_loss
 
 
 class Local(FederatedMethod):
@@ -16,7 +17,9 @@ class Local(FederatedMethod):
 
     Each sampled client continues training its own model (all clients start from the same
     seeded initialization) with its own optimizer, whose momentum persists across rounds.
-    Nothing is sent, so every ``comm/*`` key stays 0.
+    Nothing is sent, so every ``comm/*`` key stays 0. A novel client
+    (:class:`~lightning_pfl.novel.NovelClients`) trains its own model from the common
+    initialization, as every client does.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -35,3 +38,10 @@ class Local(FederatedMethod):
 
     def personalized_params(self, clients: Tensor) -> Params:
         return self.store.gather("params", clients, self.device)
+
+    def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
+        """The novel clients' own models (still at the common initialization: never sampled)
+        train on their data; batch-norm statistics are not adapted."""
+        stored = self.store.fields["params"]
+        tensors = [t for n, t in stored.items() if n in self.arch.shapes]
+        return NovelAdaptation(tensors, novel_loss(self, lambda: self.personalized_params(clients)))

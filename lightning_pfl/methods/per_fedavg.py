@@ -11,6 +11,7 @@ from torch.func import grad, grad_and_value, vmap
 
 from lightning_pfl.engine import Params, TrainResult, derive_seed, weighted_cross_entropy
 from lightning_pfl.losses import linear_surrogate
+from lightning_pfl.methods.base import NovelAdaptation
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
@@ -36,6 +37,11 @@ class PerFedAvg(FedAvg):
     (sample-weighted). A client's personalized model is the global model after one SGD step
     of size alpha on a batch of its own training data (``batch_size`` samples, seeded by the
     round).
+
+    A novel client (:class:`~lightning_pfl.novel.NovelClients`) adapts as Per-FedAvg
+    personalizes: plain SGD steps from the global model on batches of its own data, with the
+    callback's ``steps`` and ``lr`` (``steps: 1, lr: alpha`` is exactly the personalization
+    above); its accuracy at step 0 is the global model's.
 
     Args:
         variant: ``fo`` (Per-FedAvg (FO)) or ``hf`` (Per-FedAvg (HF)).
@@ -108,3 +114,7 @@ class PerFedAvg(FedAvg):
             return {n: t - h.alpha * g[n] for n, t in p.items()}
 
         return vmap(adapt)(params, x, y, batches.weight[:, 0])
+
+    def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
+        """Gradient steps from the global model on each novel client's own batches."""
+        return self.fine_tune_adaptation(clients)
