@@ -17,6 +17,15 @@ Settings (``--setting``), each a folder of configs, one per method:
   non-IID_1 (2 classes per client) and non-IID_2 (Dirichlet(0.01), at least 40 samples each).
 - ``digits_100clients``: ``configs/digits_100clients/*.yaml``, the same protocol on digits with
   100 clients (no download).
+- ``fashion_mnist_pfedhn_table1``: ``configs/fashion_mnist_pfedhn_table1/*.yaml``, pFedHN's
+  Table 1 protocol in full (50 clients, 2 classes each, 5,000 rounds of one client) on
+  FashionMNIST for pFedHN, Local and FedAvg (fact entries in ``configs/papers/pfedhn.yaml``).
+- ``fashion_mnist_pfedkt_table1``: ``configs/fashion_mnist_pfedkt_table1/*.yaml``, pFedKT's
+  Table 1 protocol in full (50 clients, E = 10, 5 clients per round, 500 rounds) on FashionMNIST
+  for pFedKT, Local and FedAvg (``configs/papers/pfedkt.yaml``).
+- ``fashion_mnist_mlp_5000rounds``: ``configs/fashion_mnist_mlp_5000rounds/*.yaml``, pFedHN's
+  100-client MNIST protocol in full (5,000 rounds) on FashionMNIST with the hypernetwork
+  parametrizations compared in docs/results.md.
 
 Every row also records the accuracy of the trivial personalized classifier on the same split:
 each client predicts the most frequent class of its own training data for every test sample
@@ -101,6 +110,9 @@ SETTINGS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "digits_100clients": ("digits_100clients", {"pathological": []}),
     "fashion_mnist_hn_update": ("fashion_mnist_hn_update", {"pathological": []}),
     "fashion_mnist_novel": ("fashion_mnist_novel", {"dirichlet": []}),
+    "fashion_mnist_pfedhn_table1": ("fashion_mnist_pfedhn_table1", {"pathological": []}),
+    "fashion_mnist_pfedkt_table1": ("fashion_mnist_pfedkt_table1", {"pathological": []}),
+    "fashion_mnist_mlp_5000rounds": ("fashion_mnist_mlp_5000rounds", {"pathological": []}),
     "fashion_mnist_mh": (
         "fashion_mnist_mh",
         {
@@ -193,6 +205,7 @@ def summarize(
         "split": split,
         "seed": seed,
         "rounds": result["rounds"],
+        "stopped_by": result.get("stopped_by"),
         "best_round": result["best_round"],
         "select_metric": result["select_metric"],
         "val_acc_at_best": (result.get("val_at_best") or {}).get("acc"),
