@@ -40,7 +40,7 @@ def mix_non_participants(
         trained: this round's trained models theta_j of the participants, ``[J, ...]``.
         own_labels: label counts of the clients i, ``[I, num_classes]`` (m_i = row sum).
         trained_labels: label counts of the participants j, ``[J, num_classes]``.
-        self_weight: K in a_i = K m_i / (sum_j m_j + K m_i).
+        self_weight: K in a_i = K m_i / (sum_j m_j + K m_i) (the paper: clients per round).
         aggregation: ``similarity``: s_ij = cosine similarity of the label counts;
             ``uniform``: s_ij = 1.
 
@@ -86,8 +86,8 @@ class FedSimSup(FederatedMethod):
         model_epochs: tau_theta, local epochs of the personalized model per round (paper: 3).
         aggregation: ``similarity`` (paper), ``uniform`` (s_ij = 1, the Figure 3 ablation
             without similarity) or ``none`` (non-participants keep their theta).
-        self_weight: K of a_i; None: the number of clients in the round (our reading; the paper
-            does not define K).
+        self_weight: K of a_i; None: the number of clients per round, K as the paper defines
+            it (section 3.3).
         net: the personalized model (paper: LeNet-5).
         local_lr: SGD learning rate of both phases (paper: 0.1).
         local_momentum: SGD momentum (paper: plain SGD).

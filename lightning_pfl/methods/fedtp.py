@@ -8,11 +8,11 @@ of features).
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
 from torch.func import vmap
@@ -24,8 +24,9 @@ from lightning_pfl.losses import (
     interpolate_with_knn,
     knn_probabilities,
 )
+from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.models import HyperNetwork
+from lightning_pfl.models import HyperNetwork, build_network
 from lightning_pfl.models.hypernetwork import set_delta_gradients
 from lightning_pfl.models.transformers import ViT, qkv_names
 from lightning_pfl.validation import (
@@ -36,6 +37,8 @@ from lightning_pfl.validation import (
     PositiveInt,
     UnitInterval,
 )
+
+HNInit = Literal["default", "match_target"]
 
 
 class FedTP(FedAvg):
@@ -57,15 +60,23 @@ class FedTP(FedAvg):
         hn_lr: hypernetwork learning rate (default ``local_lr``, as the reference code).
         hn_momentum: hypernetwork SGD momentum.
         hn_weight_decay: hypernetwork weight decay.
-        hn_max_grad_norm: clip of the hypernetwork gradient norm (None: off).
+        hn_max_grad_norm: clip of the hypernetwork gradient norm (None: off, as the paper and
+            its reference code).
+        hn_init: ``default``: the heads keep PyTorch's default Linear initialization and read
+            the MLP's features unscaled, as the reference code (the paper does not say);
+            ``match_target``: the features are scaled to a mean square of 0.5 and the heads
+            rescaled so that generated qkv weights start at the ViT's own initialization scale
+            (``FeatureScale`` and ``match_target_init`` of ``lightning_pfl.models.hypernetwork``,
+            this library's remedy for pFedHN at 100 clients).
         net: a transformer with named qkv projections (``vit`` or ``char_transformer``).
         local_lr: client SGD learning rate (0.01).
         local_weight_decay: client weight decay (1e-5, reference code).
         local_epochs: local epochs E (5); batch size B = ``batch_size`` (64).
         local_max_grad_norm: client gradient clip (None: off, as FedTP).
         picture_clients: at every validation, log to TensorBoard the attention-rollout maps of
-            4 test images of each of the first ``picture_clients`` clients (``vit`` only) and
-            the PCA projection of the client embeddings (0: neither).
+            4 test images of each of the first ``picture_clients`` clients (``vit`` only, see
+            :func:`log_attention_maps`) and the PCA projection of the client embeddings (0:
+            neither).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
@@ -77,7 +88,8 @@ class FedTP(FedAvg):
         hn_lr: PositiveFloat | None = None,
         hn_momentum: Momentum = 0.9,
         hn_weight_decay: NonNegativeFloat = 1e-3,
-        hn_max_grad_norm: PositiveFloat | None = 50.0,
+        hn_max_grad_norm: PositiveFloat | None = None,
+        hn_init: HNInit = "default",
         net: str = "vit",
         local_lr: PositiveFloat = 1e-2,
         local_weight_decay: NonNegativeFloat = 1e-5,
@@ -100,6 +112,7 @@ class FedTP(FedAvg):
                 f"model.init_args.net '{net}' has no attention qkv projections to personalize; "
                 f"{type(self).__name__} needs a transformer: vit or char_transformer."
             )
+        matched = hn_init == "match_target"
         with self.seeded_init():
             self.hnet = HyperNetwork(
                 self.hp.num_clients,
@@ -107,8 +120,10 @@ class FedTP(FedAvg):
                 embed_dim,
                 hidden_dim,
                 n_hidden,
-                target_init=self.arch.initial_params(),
+                target_init=self.arch.initial_params() if matched else None,
             )
+        if not matched:
+            self.hnet.feature_scale.scale.fill_(1.0)
 
     def generated_names(self) -> tuple[str, ...]:
         """The tensors the hypernetwork generates: every block's qkv projection."""
@@ -176,46 +191,92 @@ class FedTP(FedAvg):
         axes = torch.linalg.svd(centered, full_matrices=False).Vh[:2]
         return centered @ axes.T
 
-    @torch.no_grad()
     def attention_pictures(self, clients: Tensor, images: int = 4) -> Tensor:
-        """Test images of ``clients`` over their attention rollout (``[C, images, 3, H, W]``).
-
-        The map (max over heads, lowest 30% dropped, see ``ViT.attention_rollout``) of each
-        client's personalized model is upsampled to the image and shown in red over it.
-        """
-        data = self.data
-        index, _ = next(data.eval_blocks(clients, "test", images))
-        x, _ = data.fetch(index)
-        params = self.personalized_params(clients)
-        net = copy.deepcopy(self.net).eval()
-        assert isinstance(net, ViT)
-        pictures = []
-        for c in range(len(clients)):
-            net.load_state_dict({n: t[c] for n, t in params.items()}, strict=False)
-            mask = net.attention_rollout(x[c])[:, None]  # [b, 1, h, w]
-            mask = F.interpolate(mask, size=x.shape[-2:], mode="nearest")
-            shape = (1, -1, 1, 1)
-            image = x[c] * data.std.view(shape) + data.mean.view(shape) if len(data.mean) else x[c]
-            gray = image.clamp(0, 1).mean(1, keepdim=True)
-            red = torch.cat([mask, torch.zeros_like(mask), torch.zeros_like(mask)], 1)
-            pictures.append(0.5 * gray.expand(-1, 3, -1, -1) + 0.5 * red)
-        return torch.stack(pictures)
+        """See :func:`attention_pictures`."""
+        return attention_pictures(self, clients, images)
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
-        count = min(self.hp.picture_clients, self.hp.num_clients)
+        if not log_attention_maps(self, self.hp.picture_clients):
+            return
         logger = self.logger
-        if self.trainer.sanity_checking or not count or not isinstance(logger, TensorBoardLogger):
-            return
-        if not self.trainer.is_global_zero:
-            return
-        step = self.global_step
+        assert isinstance(logger, TensorBoardLogger)
         points = self.embedding_projection().cpu()
-        logger.experiment.add_figure("fedtp/client_embeddings_pca", embedding_figure(points), step)
-        if isinstance(self.net, ViT):
-            pictures = self.attention_pictures(torch.arange(count, device=self.device))
-            for c, grid in enumerate(pictures.cpu()):
-                logger.experiment.add_images(f"fedtp/attention_rollout/client_{c}", grid, step)
+        figure = embedding_figure(points)
+        logger.experiment.add_figure("fedtp/client_embeddings_pca", figure, self.global_step)
+
+
+@torch.no_grad()
+def attention_pictures(method: FederatedMethod, clients: Tensor, images: int = 4) -> Tensor:
+    """Test images of ``clients`` over their attention rollout (``[C, images, 3, H, W]``).
+
+    Works for any method whose ``net`` is a :class:`ViT` (FedTP, Vanilla Personalized-T,
+    Local-T, FedAvg-T, ...): the map (max over heads, lowest 30% dropped, see
+    ``ViT.attention_rollout``) of each client's personalized model
+    (``method.personalized_params``) is upsampled to the image and shown in red over it.
+    """
+    data = method.data
+    params = method.personalized_params(clients)
+    index, _ = next(data.eval_blocks(clients, "test", images))
+    x, _ = data.fetch(index)
+    h = method.hp
+    net = build_network(h.net, tuple(h.input_shape), h.num_classes, **(h.net_args or {}))
+    if not isinstance(net, ViT):
+        raise ConfigError(f"attention maps need model.init_args.net: vit, got '{method.hp.net}'.")
+    net = net.to(method.device).eval()
+    pictures = []
+    for c in range(len(clients)):
+        net.load_state_dict({n: t[c] for n, t in params.items()}, strict=False)
+        mask = net.attention_rollout(x[c])[:, None]  # [b, 1, h, w]
+        mask = F.interpolate(mask, size=x.shape[-2:], mode="nearest")
+        shape = (1, -1, 1, 1)
+        image = x[c] * data.std.view(shape) + data.mean.view(shape) if len(data.mean) else x[c]
+        gray = image.clamp(0, 1).mean(1, keepdim=True)
+        red = torch.cat([mask, torch.zeros_like(mask), torch.zeros_like(mask)], 1)
+        pictures.append(0.5 * gray.expand(-1, 3, -1, -1) + 0.5 * red)
+    return torch.stack(pictures)
+
+
+def log_attention_maps(method: FederatedMethod, count: int) -> bool:
+    """Log the attention-rollout pictures of the first ``count`` clients to TensorBoard.
+
+    Tags ``attention_rollout/client_<c>`` (4 test images each, see :func:`attention_pictures`),
+    at the current round. Returns whether anything could be logged: False during the sanity
+    check, off rank 0, without a TensorBoard logger or with ``count`` 0; the pictures
+    themselves need a ``vit`` (other nets log nothing).
+    """
+    count = min(count, method.hp.num_clients)
+    logger = method.logger
+    trainer = method.trainer
+    if trainer.sanity_checking or not count or not isinstance(logger, TensorBoardLogger):
+        return False
+    if not trainer.is_global_zero:
+        return False
+    if method.hp.net == "vit":
+        pictures = attention_pictures(method, torch.arange(count, device=method.device))
+        for c, grid in enumerate(pictures.cpu()):
+            logger.experiment.add_images(f"attention_rollout/client_{c}", grid, method.global_step)
+    return True
+
+
+class AttentionMaps(Callback):
+    """Attention-rollout maps of any ViT method's personalized models, at every validation.
+
+    FedTP and Vanilla Personalized-T log them themselves (``picture_clients``); this callback
+    gives the same pictures for the other "-T" methods of the FedTP paper (Local-T, FedAvg-T,
+    ...: any method with ``net: vit``). Add it under ``trainer.callbacks``.
+
+    Args:
+        clients: the first ``clients`` clients are pictured (4 test images each).
+    """
+
+    def __init__(self, clients: NonNegativeInt = 4) -> None:
+        self.clients = clients
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not isinstance(pl_module, FederatedMethod):
+            raise ConfigError("AttentionMaps needs a federated method (model.class_path).")
+        log_attention_maps(pl_module, self.clients)
 
 
 def embedding_figure(points: Tensor) -> Any:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.methods.fedtp import log_attention_maps
 from lightning_pfl.models.transformers import qkv_names
+from lightning_pfl.validation import NonNegativeInt
 
 
 class VanillaPersonalizedT(FedAvg):
@@ -15,8 +19,14 @@ class VanillaPersonalizedT(FedAvg):
     Use it with ``net: vit`` or ``net: char_transformer``.
 
     Args:
+        picture_clients: at every validation, log to TensorBoard the attention-rollout maps of
+            4 test images of each of the first ``picture_clients`` clients (``vit`` only; as
+            FedTP, see :func:`~lightning_pfl.methods.fedtp.log_attention_maps`; 0: off).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
+
+    def __init__(self, picture_clients: NonNegativeInt = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
 
     def personal_names(self) -> tuple[str, ...]:
         names = qkv_names(tuple(self.arch.shapes))
@@ -26,3 +36,7 @@ class VanillaPersonalizedT(FedAvg):
                 "VanillaPersonalizedT needs a transformer: vit or char_transformer."
             )
         return names
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        log_attention_maps(self, self.hp.picture_clients)

@@ -4,7 +4,7 @@ Each network here is a :class:`~lightning_pfl.models.targets.TargetNetwork` regi
 :func:`~lightning_pfl.models.targets.register_network`, so any method can use it as ``net``:
 
 - ``vit``: the vision transformer of FedTP (Li et al.) for small images;
-- ``char_transformer``: a causal character-level transformer for LEAF Shakespeare.
+- ``char_transformer``: a character-level transformer for LEAF Shakespeare (causal by default).
 
 Both name each block's bias-free query/key/value projection ``blocks.{i}.attn.qkv.weight``
 (:func:`qkv_names`), the tensors FedTP personalizes, hold no buffers, and run under
@@ -183,13 +183,19 @@ class ViT(TargetNetwork):
 
 
 class CharTransformer(TargetNetwork):
-    """A causal character-level transformer for next-character prediction (LEAF Shakespeare).
+    """A character-level transformer for next-character prediction (LEAF Shakespeare).
 
     Inputs are character ids ``[B, T]``; embedding (scaled by sqrt(dim)) plus sinusoidal
-    positions, ``depth`` blocks with a causal mask (position t sees characters <= t), then the
-    last position's representation as features and a linear ``head`` over the vocabulary. The
-    defaults are FedTP's Shakespeare model: 2 post-norm blocks, d_model 128, inner 256, 8
-    heads (head dim 16). :meth:`sequence_features` gives every position's representation.
+    positions, ``depth`` blocks, then the last position's representation as features and a
+    linear ``head`` over the vocabulary. The defaults are FedTP's Shakespeare model: 2
+    post-norm blocks, d_model 128, inner 256, 8 heads (head dim 16).
+    :meth:`sequence_features` gives every position's representation.
+
+    Args:
+        causal: position t attends only to characters <= t, as next-character prediction
+            requires (default). False: no mask, as FedTP's reference code, whose position t
+            then also reads the character it is trained to predict (its targets are the inputs
+            shifted by one); only for reproducing that code.
     """
 
     classifier_name = "head"
@@ -204,6 +210,7 @@ class CharTransformer(TargetNetwork):
         mlp_dim: int = 256,
         dropout: float = 0.1,
         pre_norm: bool = False,
+        causal: bool = True,
     ) -> None:
         super().__init__()
         if dim % heads:
@@ -214,14 +221,15 @@ class CharTransformer(TargetNetwork):
         self.embed = nn.Embedding(vocab_size, dim)
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            Block(dim, heads, dim // heads, mlp_dim, dropout, causal=True, pre_norm=pre_norm)
+            Block(dim, heads, dim // heads, mlp_dim, dropout, causal=causal, pre_norm=pre_norm)
             for _ in range(depth)
         )
         self.norm = nn.LayerNorm(dim) if pre_norm else nn.Identity()
         self.head = nn.Linear(dim, num_classes)
 
     def sequence_features(self, x: Tensor) -> Tensor:
-        """Representation of every position ``[B, T, dim]``; position t reads only x[:, :t+1]."""
+        """Representation of every position ``[B, T, dim]`` (``causal``: position t reads only
+        x[:, :t+1])."""
         length = x.shape[-1]
         position = torch.arange(length, device=x.device, dtype=torch.float32).unsqueeze(1)
         freq = torch.exp(
