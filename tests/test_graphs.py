@@ -96,7 +96,7 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (FedAvg, {"local_epochs": 1}),
     (PFedHN, {}),
     (PFedHNPC, {}),
-    (PFedKT, {}),
+    (PFedKT, {"local_epochs": 1}),
     (FedSimSup, {"supervisors": {"cnn": {"net": "digits_cnn", "net_args": {"width": 4}}}}),
 ]
 
