@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_pfl import FederatedDataModule
 from lightning_pfl.engine import Params
 from lightning_pfl.methods import FedAvg, PFedKT
 from lightning_pfl.methods.pfedkt import logit_distance
@@ -20,7 +21,15 @@ from tests.helpers import (
     capture_local_training,
 )
 
-FAST = {"local_epochs": None}  # the suite's 3 local steps instead of the paper's 10 epochs
+FAST: dict[str, Any] = {
+    "local_epochs": None
+}  # the suite's 3 local steps instead of the paper's 10 epochs
+
+
+def build_kt(dm: FederatedDataModule, **kwargs: Any) -> PFedKT:
+    method = build(PFedKT, dm, **kwargs)
+    assert isinstance(method, PFedKT)
+    return method
 
 
 def kt_cnn_shapes() -> dict[str, tuple[int, ...]]:
@@ -71,14 +80,14 @@ def test_default_hypernetwork_is_the_papers_mlp_and_nothing_else() -> None:
     assert round(mlp_size * 4 / 2**20, 3) == 0.198
     learned = ChunkedHyperNetwork(shapes, learnable_embeddings=True)
     assert sum(p.numel() for p in learned.parameters()) == mlp_size + hn.num_chunks * 13
-    method = build(PFedKT, digits_data(4), **FAST)
+    method = build_kt(digits_data(4), **FAST)
     per_client = sum(t[0].numel() for t in method.store.fields["hn"].values())
     assert per_client == mlp_size
 
 
 def test_default_hypernetwork_has_no_feature_scaling() -> None:
     """The generated PM is out(relu(l2(relu(l1(e))))) with the HN's own tensors, nothing more."""
-    method = build(PFedKT, digits_data(4), **FAST)
+    method = build_kt(digits_data(4), **FAST)
     phi = {k: v[0] for k, v in method.store.fields["hn"].items()}
     hn = ChunkedHyperNetwork(method.arch.shapes)  # for the embeddings' shape only
     candidates = [*method.buffers(), *phi.values()]
@@ -90,7 +99,7 @@ def test_default_hypernetwork_has_no_feature_scaling() -> None:
 
 
 def test_paper_defaults() -> None:
-    method = build(PFedKT, digits_data(4), local_epochs=10)
+    method = build_kt(digits_data(4), local_epochs=10)
     h = method.hp
     expected = {
         "mu": 0.001,
@@ -117,7 +126,7 @@ def test_private_model_starts_from_the_global_init() -> None:
     """Algorithm 1: theta_i^0 = omega^0; a client trains omega^0 at its first visit and its
     HN's output afterwards."""
     dm = digits_data(6)
-    method = build(PFedKT, dm, clients_per_round=2, **FAST)
+    method = build_kt(dm, clients_per_round=2, **FAST)
     omega0 = {n: t.detach().clone() for n, t in method.net.named_parameters()}
     everyone = torch.arange(6)
     for name, stored in method.personalized_params(everyone).items():
@@ -140,7 +149,7 @@ def test_local_hypernetwork_update_is_the_pullback_of_the_local_update() -> None
     0.5 ||theta(phi) - theta~||^2."""
     dm = digits_data(6)
     lr = 0.1
-    method = build(PFedKT, dm, clients_per_round=2, hn_lr=lr, **FAST)
+    method = build_kt(dm, clients_per_round=2, hn_lr=lr, **FAST)
     names = list(method.arch.shapes)
     omega0 = flat({n: t.detach()[None] for n, t in method.net.named_parameters()}, names)[0]
     trained = capture_local_training(method)
@@ -169,10 +178,13 @@ def test_local_hypernetwork_update_is_the_pullback_of_the_local_update() -> None
                 torch.testing.assert_close(e, g)
         for name, e in zip(phi, expected, strict=True):
             applied = (before[name][client] - after[name][client]) / lr
-            torch.testing.assert_close(applied, e, rtol=1e-3, atol=1e-5, msg=(client, name))
+            message = f"client {client}: {name}"
+            torch.testing.assert_close(applied, e, rtol=1e-3, atol=1e-5, msg=message)
 
 
-def kt_inputs(method: PFedKT, dm: Any) -> tuple[Params, Params, Params, Tensor, Tensor]:
+def kt_inputs(
+    method: PFedKT, dm: FederatedDataModule
+) -> tuple[Params, Params, Params, Tensor, Tensor]:
     params = method.arch.initial_params()
     x, y = dm.fetch(dm.index["train"].flat[:6])
     other = {n: t + 0.05 for n, t in params.items()}
@@ -196,7 +208,7 @@ def test_triplet_loss_on_kl_distances() -> None:
     )
     torch.testing.assert_close(logit_distance(glob, pm, "mse", w), ((glob - pm) ** 2).mean())
     dm = digits_data(4)
-    method = build(PFedKT, dm, mu=0.25, alpha=0.3, **FAST)
+    method = build_kt(dm, mu=0.25, alpha=0.3, **FAST)
     params, other, frozen, x, y = kt_inputs(method, dm)
     weight = torch.ones(6)
     loss = method.kt_loss(params, frozen, x, y, weight)
@@ -210,7 +222,7 @@ def test_triplet_loss_on_kl_distances() -> None:
 def test_l2_variant_is_mu_l2_plus_one_minus_mu_ce() -> None:
     """Table 10's L2 variant replaces l_con in mu * l_con + (1 - mu) * CE by ||theta - w||^2."""
     dm = digits_data(4)
-    method = build(PFedKT, dm, mu=0.25, contrastive="l2", **FAST)
+    method = build_kt(dm, mu=0.25, contrastive="l2", **FAST)
     params, other, frozen, x, y = kt_inputs(method, dm)
     loss = method.kt_loss(params, frozen, x, y, torch.ones(6))
     l2 = sum(((params[n] - other[n]) ** 2).sum() for n in params)
@@ -222,8 +234,9 @@ def test_case_a_is_fedavg() -> None:
     """Table 11 case A: FedAvg, evaluated with the global model (FedAvg's Table 1 number)."""
     dm = digits_data(6)
     common: dict[str, Any] = {"clients_per_round": 3, "local_max_grad_norm": None}
-    case_a = build(PFedKT, dm, ablation="A", **FAST, **common)
+    case_a = build_kt(dm, ablation="A", **FAST, **common)
     fedavg = build(FedAvg, digits_data(6), **common)
+    assert isinstance(fedavg, FedAvg)
     assert not case_a.store.fields
     fit(case_a, dm, rounds=2)
     fit(fedavg, fedavg.data, rounds=2)
@@ -239,7 +252,7 @@ def test_case_a_is_fedavg() -> None:
 
 def test_case_b_generates_private_models_and_trains_them_on_ce_alone() -> None:
     dm = digits_data(6)
-    method = build(PFedKT, dm, ablation="B", **FAST)
+    method = build_kt(dm, ablation="B", **FAST)
     assert {"hn", "pm", "visited"} <= set(method.store.fields)
     params, _, frozen, x, y = kt_inputs(method, dm)
     loss = method.kt_loss(params, frozen, x, y, torch.ones(6))
@@ -251,7 +264,7 @@ def test_case_c_trains_the_global_model_with_the_contrastive_loss(model: str) ->
     """Table 11 case C: no HN; the client trains the received global model on
     mu * l_con + (1 - mu) * CE, its last trained model as negative."""
     dm = digits_data(6)
-    method = build(PFedKT, dm, ablation="C", no_hn_model=model, clients_per_round=2, **FAST)
+    method = build_kt(dm, ablation="C", no_hn_model=model, clients_per_round=2, **FAST)
     assert "hn" not in method.store.fields
     with torch.no_grad():
         for p in method.net.parameters():
