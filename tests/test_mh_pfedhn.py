@@ -35,6 +35,7 @@ from tests.helpers import (
 
 ZOO = list(ZOO_NETWORKS)
 ROOT = Path(__file__).parents[1]
+PAPER_GD = "configs/mh_pfedhn/main_cifar100_50clients_noniid1_mh_pfedhngd.yaml"
 SHAPES = [((1, 8, 8), 10), ((1, 28, 28), 62), ((3, 32, 32), 100), ((3, 64, 64), 200)]
 
 
@@ -66,12 +67,30 @@ def test_zoo_sizes_follow_the_paper_on_cifar100() -> None:
     assert vgg.fc1.in_features == 1024  # type: ignore[union-attr]
     mlp = build_network("zoo_mlp", (3, 32, 32), 100)
     assert sum(p.numel() for p in mlp.parameters()) == 3072 * 128 + 128 + 128 * 64 + 64 + 6500
-    depth = {"resnet10": 10, "resnet12": 12, "resnet18": 18}
-    for name, layers in depth.items():
-        net = build_network(name, (3, 32, 32), 100)
-        convs = [n for n, m in net.named_modules() if isinstance(m, torch.nn.Conv2d)]
-        main = [n for n in convs if "shortcut" not in n]
-        assert len(main) + 1 == layers, name  # convs + the classifier
+
+
+# Appendix Table 19: residual blocks per stage of 16, 32 and 64 channels
+TABLE_19 = {"resnet10": (3, 3, 4), "resnet12": (1, 5, 6), "resnet18": (6, 6, 6)}
+
+
+@pytest.mark.parametrize("name", list(TABLE_19))
+def test_resnets_have_table_19s_blocks_and_channel_plan(name: str) -> None:
+    net = build_network(name, (3, 32, 32), 100)
+    stem = net.stem  # type: ignore[union-attr]
+    assert isinstance(stem, torch.nn.Conv2d)
+    assert (stem.out_channels, stem.kernel_size, stem.stride) == (16, (3, 3), (1, 1))
+    blocks = list(net.layers)  # type: ignore[union-attr, arg-type]
+    widths = [block.conv2.out_channels for block in blocks]
+    stages = [widths.count(w) for w in (16, 32, 64)]
+    assert tuple(stages) == TABLE_19[name] and len(widths) == sum(stages)
+    assert widths == sorted(widths)  # stage after stage
+    for block in blocks:  # basic blocks: two 3x3 convs
+        assert block.conv1.kernel_size == block.conv2.kernel_size == (3, 3)
+    seen: list[torch.Size] = []
+    blocks[-1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert net(torch.randn(2, 3, 32, 32)).shape == (2, 100)
+    assert seen == [torch.Size([2, 64, 8, 8])]  # the 8x8 map the average pool reduces
+    assert net.fc.in_features == 64  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -155,7 +174,8 @@ def test_standardized_heads_and_codec_roundtrip() -> None:
     arch = Architecture(net)
     codec = FlatCodec(arch.initial_params())
     assert codec.count == sum(p.numel() for p in net.parameters())
-    hnet = MultiHeadHyperNetwork([codec.count], output_size=512, hidden_dim=16)
+    codec = FlatCodec(arch.initial_params(), standardized=True)
+    hnet = MultiHeadHyperNetwork([codec.count], output_size=512, hidden_dim=16, standardize=True)
     flat = hnet([0]).detach()
     assert abs(float(flat.mean())) < 0.2 and abs(float(flat.std()) - 1) < 0.2
     params = codec.to_params(flat)
@@ -265,9 +285,14 @@ def test_sparsified_upload_keeps_the_largest_entries_and_counts_fewer_bytes() ->
     assert method._round_bytes[0] == dense._round_bytes[0]
 
 
-def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teacher() -> None:
-    method = build_mh(MHPFedHNGD, distill_temperature=2.0, distill_weight=0.5)
+@pytest.mark.parametrize("teacher", ["received", "trained"])
+def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teacher(
+    teacher: str,
+) -> None:
+    options = {} if teacher == "received" else {"distill_teacher": teacher}  # default: received
+    method = build_mh(MHPFedHNGD, distill_temperature=2.0, distill_weight=0.5, **options)
     assert isinstance(method, MHPFedHNGD)
+    received = method.global_codec.to_params(method.hnet([method.hp.num_clients]).detach())
     assert method.global_codec.count == min(c.count for c in method.codecs.values())
     assert method.hnet.counts[-1] == method.global_codec.count  # the global row
     calls: list[tuple[Any, Any, Any]] = []
@@ -297,7 +322,13 @@ def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teache
     assert [c[0] for c in calls[1:]] == [method.zoo.archs[k] for k in kinds]
     for (_, rows), (_, frozen, _) in zip(method.zoo.split(clients), calls[1:], strict=True):
         for name, tensor in global_trained.items():
-            torch.testing.assert_close(frozen[f"teacher.{name}"], tensor[rows])
+            if teacher == "trained":  # each client's copy after its global training
+                torch.testing.assert_close(frozen[f"teacher.{name}"], tensor[rows])
+        for name, value in received.items():
+            if teacher == "received":  # the global model as generated before the round's steps
+                want = value.expand(len(rows), *value.shape[1:])
+                torch.testing.assert_close(frozen[f"teacher.{name}"], want)
+                assert not torch.equal(frozen[f"teacher.{name}"], global_trained[name][rows])
     plain = build_mh(MHPFedHNG)
     assert isinstance(plain, MHPFedHNG)
     assert not plain.distills() and plain.personal_loss("cnn") is plain.losses["cnn"]
@@ -316,8 +347,11 @@ def test_distillation_loss_on_a_hand_example() -> None:
     torch.testing.assert_close(value, torch.tensor(4 * kl))
 
 
-def test_gd_personal_loss_mixes_cross_entropy_and_distillation() -> None:
-    method = build_mh(MHPFedHNGD, distill_temperature=3.0, distill_weight=0.25)
+@pytest.mark.parametrize("t_squared", [False, True])
+def test_gd_personal_loss_mixes_cross_entropy_and_distillation(t_squared: bool) -> None:
+    # the paper: (1 - lambda) CE + lambda KL; distill_t_squared: lambda T^2 KL (Hinton et al.)
+    options = {"distill_t_squared": True} if t_squared else {}
+    method = build_mh(MHPFedHNGD, distill_temperature=3.0, distill_weight=0.25, **options)
     assert isinstance(method, MHPFedHNGD)
     kind = "cnn"
     arch = method.zoo.archs[kind]
@@ -332,7 +366,7 @@ def test_gd_personal_loss_mixes_cross_entropy_and_distillation() -> None:
     ce = F.cross_entropy(logits[:4], y[:4])
     p_t = F.softmax(target[:4] / 3, -1)
     kl = (p_t * (p_t.log() - F.log_softmax(logits[:4] / 3, -1))).sum(-1).mean()
-    torch.testing.assert_close(value, 0.75 * ce + 0.25 * 9 * kl)
+    torch.testing.assert_close(value, 0.75 * ce + 0.25 * (9 if t_squared else 1) * kl)
 
 
 @pytest.mark.parametrize("cls", [MHPFedHN, MHPFedHNGD])
@@ -399,12 +433,12 @@ def spy_client_updates(method: MHPFedHN) -> list[tuple[Any, ...]]:
     return seen
 
 
-def test_frozen_clients_keep_their_leading_layers_at_the_generated_values() -> None:
+def test_frozen_clients_keep_their_last_layers_at_the_generated_values() -> None:
     options: dict[str, Any] = {"hn_max_grad_norm": None, "local_weight_decay": 0.01}
     plain = build_mh(**options)
     cnn = plain.zoo.members("cnn").tolist()
     method = build_mh(frozen_clients=[cnn[0]], frozen_layers=2, **options)
-    names = ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias")
+    names = ("fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias")  # Table 14: the last layers
     assert method.frozen_names["cnn"] == names and method.frozen.nonzero()[:, 0].tolist() == cnn[:1]
     clients = torch.tensor(sorted([*cnn, *plain.zoo.members("mlp").tolist()]))
     seen, reference = spy_client_updates(method), spy_client_updates(plain)
@@ -427,7 +461,7 @@ def test_frozen_clients_keep_their_leading_layers_at_the_generated_values() -> N
     for n in codec.names:  # the free client trains exactly as without frozen clients
         torch.testing.assert_close(trained[n][1], plain_trained[n][1], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(delta[1], plain_delta[1], rtol=1e-5, atol=1e-7)
-    # the frozen client's other tensors: as if its leading layers were not trainable at all
+    # the frozen client's other tensors: as if its last layers were not trainable at all
     arch = method.zoo.archs["cnn"]
     position = torch.tensor([clients.tolist().index(cnn[0])])
     alone = method.local_train(
@@ -483,7 +517,9 @@ def test_frozen_and_global_client_options_are_seeded_and_validated() -> None:
 
 
 def test_only_holders_train_the_global_model_and_set_its_gradient() -> None:
-    method = build_mh(MHPFedHNGD, global_clients=[0, 2], hn_max_grad_norm=None)
+    method = build_mh(
+        MHPFedHNGD, global_clients=[0, 2], hn_max_grad_norm=None, distill_teacher="trained"
+    )
     before = copy.deepcopy(method.hnet)
     calls: list[tuple[Any, ...]] = []
     original = method.local_train
@@ -579,13 +615,13 @@ def test_a_round_without_holders_takes_no_global_step() -> None:
     assert len(steps) == 1 and method._round_bytes[0] > no_global
 
 
-def test_vectorized_equals_sequential_with_frozen_clients() -> None:
+def test_vectorized_equals_sequential_with_frozen_clients_and_local_layers() -> None:
     assert_vectorized_equals_sequential(
         MHPFedHN,
         rounds=2,
         num_clients=6,
         architectures=TINY,
-        **{**SMALL, "hn_lr": 1e-2, "frozen_clients": 0.5, "frozen_layers": 2},
+        **{**SMALL, "hn_lr": 1e-2, "frozen_clients": 0.5, "frozen_layers": 2, "local_layers": 1},
     )
 
 
@@ -630,12 +666,116 @@ def test_extreme_personalization_gives_every_client_its_own_architecture(tmp_pat
 
 def test_the_shipped_extreme_personalization_config_gives_50_distinct_architectures() -> None:
     config = yaml.safe_load(
-        (ROOT / "configs/mh_pfedhn/cifar100_50clients_mh_pfedhn_extreme.yaml").read_text()
+        (
+            ROOT / "configs/mh_pfedhn/extra_cifar100_50clients_every_client_own_architecture.yaml"
+        ).read_text()
     )
+    small_hn = {"hidden_dim": 1, "n_layers": 1}  # about counts and heads, not the HN's size
     method = MHPFedHN(
-        num_clients=50, num_classes=100, input_shape=(3, 32, 32), **config["model"]["init_args"]
+        num_clients=50,
+        num_classes=100,
+        input_shape=(3, 32, 32),
+        **(config["model"]["init_args"] | small_hn),
     )
     assert len(method.zoo.names) == 50
     assert sorted(method.zoo.group_of.tolist()) == list(range(50))  # one client per architecture
     assert len(set(method.hnet.counts)) == 50  # 50 distinct parameter counts
     assert len(method.hnet.head_keys()) > 1  # clients share heads only through equal tau
+
+
+# ---------------------------------------------------------------- paper defaults (issue 43)
+def test_the_paper_parametrization_is_the_default() -> None:
+    # theta = g: the generated flat vector is the model, heads keep PyTorch's default init
+    method = build_mh()
+    assert method.hp.parametrization == "raw"
+    for kind, codec in method.codecs.items():
+        assert torch.equal(codec.mean, torch.zeros(codec.count)), kind
+        assert torch.equal(codec.scale, torch.ones(codec.count)), kind
+    members = method.zoo.members("cnn").tolist()
+    flat = method.hnet(members).detach()
+    params = method.codecs["cnn"].to_params(flat)
+    torch.testing.assert_close(params["fc3.bias"], flat[:, -10:])
+    bound = 1 / math.sqrt(SMALL["hidden_dim"])  # nn.Linear's default init, not rescaled
+    assert all(float(p.detach().abs().max()) <= bound for p in method.hnet.heads.values())
+    standardized = build_mh(parametrization="standardized")
+    assert not torch.equal(standardized.codecs["cnn"].scale, torch.ones(method.codecs["cnn"].count))
+
+
+def test_the_paper_zoo_gives_the_lenet_as_global_model() -> None:
+    # K_g = min_i K_i over the paper's zoo (LeNet-style CNN, VGG-8, ResNet-10/12/18) on CIFAR-100
+    config = yaml.safe_load((ROOT / PAPER_GD).read_text())["model"]["init_args"]
+    assert sorted(a["net"] for a in config["architectures"].values()) == sorted(
+        ["zoo_cnn", "vgg8", "resnet10", "resnet12", "resnet18"]
+    )
+    small_hn = {"hidden_dim": 1, "n_layers": 1}  # the rule is about counts, not the HN's size
+    method = MHPFedHNGD(
+        num_clients=50, num_classes=100, input_shape=(3, 32, 32), **(config | small_hn)
+    )
+    counts = {kind: codec.count for kind, codec in method.codecs.items()}
+    assert method.global_codec.count == min(counts.values())
+    (smallest,) = [k for k, c in counts.items() if c == min(counts.values())]
+    assert config["architectures"][smallest]["net"] == "zoo_cnn"
+    assert method.global_arch is method.zoo.archs[smallest]
+
+
+def test_table_10_separate_heads_give_the_global_model_a_head_of_its_own() -> None:
+    shared = build_mh(MHPFedHNG)
+    separate = build_mh(MHPFedHNG, global_head="separate")
+    row = shared.hp.num_clients  # the global model's row
+    kind = min(shared.codecs, key=lambda k: shared.codecs[k].count)
+    first = int(shared.zoo.members(kind)[0])
+    assert shared.hnet.head_of[row] == shared.hnet.head_of[first]  # the paper's main setting
+    assert separate.hnet.head_of[row] == f"row{row}"
+    assert separate.hnet.head_of[row] not in separate.hnet.head_of[:row]
+    assert separate.hnet.head_of[:row] == shared.hnet.head_of[:row]
+    head = [separate.hnet.heads[f"row{row}_weight"], separate.hnet.heads[f"row{row}_bias"]]
+    before = [p.detach().clone() for p in head]
+    members = separate.zoo.members(kind)
+    clients = torch.tensor(sorted(members.tolist()))
+    grads = torch.autograd.grad(separate.hnet(members.tolist()).sum(), head, allow_unused=True)
+    assert all(g is None for g in grads)  # the clients of its tau never read it
+    separate.run_round(0, clients)
+    assert not torch.equal(head[0].detach(), before[0])  # the global step moved it
+
+
+def test_table_13_local_layers_are_kept_trained_and_never_generated() -> None:
+    whole, method = build_mh(), build_mh(local_layers=1)
+    assert method.local_names["cnn"] == ("fc3.weight", "fc3.bias")
+    assert method.local_names["res"] == ("fc.weight", "fc.bias")
+    for kind, codec in method.codecs.items():
+        kept = sum(
+            method.store.fields[f"local.{kind}"][n][0].numel() for n in method.local_names[kind]
+        )
+        assert codec.count == whole.codecs[kind].count - kept
+        assert not set(codec.names) & set(method.local_names[kind])
+    kinds = [method.zoo.names[g] for g in method.zoo.group_of.tolist()]
+    assert method.hnet.counts == [method.codecs[k].count for k in kinds]  # what the server sees
+    seen = spy_client_updates(method)
+    field = method.store.fields["local.cnn"]
+    start = {n: t.clone() for n, t in field.items()}
+    cnn = method.zoo.members("cnn")
+    method.run_round(0, cnn[:1])
+    ((clients, flat, delta, trained),) = seen
+    assert delta.shape == flat.shape == (1, method.codecs["cnn"].count)
+    rows = method.zoo.row_of[cnn]
+    for n in method.local_names["cnn"]:
+        assert torch.equal(field[n][rows[0]], trained[n][0])  # kept by the client
+        assert not torch.equal(field[n][rows[0]], start[n][rows[0]])  # and trained
+        assert torch.equal(field[n][rows[1]], start[n][rows[1]])  # not the other's
+    evaluated = method.personalized_params(cnn[:1])
+    for n in method.local_names["cnn"]:
+        assert torch.equal(evaluated[f"cnn/{n}"][0], field[n][rows[0]])
+    kept = {n: field[n][rows[0]].clone() for n in method.local_names["cnn"]}
+    starts: list[dict[str, torch.Tensor]] = []
+    train = method.local_train
+
+    def spy(params: Any, *args: Any, **kwargs: Any) -> Any:
+        starts.append({n: t.clone() for n, t in params.items()})
+        return train(params, *args, **kwargs)
+
+    setattr(method, "local_train", spy)  # noqa: B010
+    method.run_round(1, cnn[:1])  # the next visit starts from what the client kept
+    for n, value in kept.items():
+        assert torch.equal(starts[0][n][0], value)
+    with pytest.raises(ConfigError, match="model.init_args.local_layers"):
+        build_mh(local_layers=3)  # the MLP has 3 layers

@@ -51,7 +51,7 @@ from lightning_pfl.validation import (
 
 Fraction = Annotated[float, Range(gt=0, le=1)]
 # Keys of the per-client tensors handed to the local loss next to a model's own tensors:
-FREEZE = "freeze"  # [C] bool: the client holds its leading layers at their generated values
+FREEZE = "freeze"  # [C] bool: the client holds its last layers at their generated values
 GENERATED = "generated."  # + tensor name: the generated value of a frozen tensor
 HOLDS = "holds_global"  # [C] bool: the client holds the global model (distils from it)
 FROZEN_STREAM, GLOBAL_STREAM = 11, 12  # seeded draws of the frozen clients and the holders
@@ -68,6 +68,9 @@ class MHPFedHN(FederatedMethod):
     grad(phi, v) = (1/C) sum_i (d g_i / d(phi, v))^T delta_i, the gradient of the surrogate
     (1/C) sum_i <g_i(phi, v), delta_i>, clips it to ``hn_max_grad_norm`` and takes an Adam step.
 
+    Every behaviour that differs from the paper is an option whose default is the paper's (see
+    the "Deviations from the paper" table of docs/methods.md).
+
     Architectures are assigned to clients by ``architectures`` (see
     :class:`~lightning_pfl.assignment.NetworkGroups`): ``{name: {net, net_args, share|clients}}``;
     accuracy per architecture is logged as ``{val,test}/arch_<name>/acc``. Batch-norm running
@@ -83,23 +86,32 @@ class MHPFedHN(FederatedMethod):
         embed_std: standard deviation of the embeddings' initialization (paper: 0.002).
         head_sharing: ``tau`` (paper: equal tau share a head), ``client`` (a head per client)
             or ``none`` (one output layer for every slot): the paper's Table 3 study.
-        parametrization: ``standardized`` (ours, default): heads start with unit-variance
-            outputs and a client maps flat value g of tensor t to mu_t + sigma_t g, with mu_t,
-            sigma_t its own initialization's mean and std (known only to the client), so every
-            layer starts at its usual scale; ``raw`` (paper): theta = g, default head init.
+        parametrization: ``raw`` (the paper, default): theta = g, PyTorch's default head init;
+            ``standardized`` (ours): heads start with unit-variance outputs and a client maps
+            flat value g of tensor t to mu_t + sigma_t g, with mu_t, sigma_t its own
+            initialization's mean and std (known only to the client), so every layer starts at
+            its usual scale. The server's gradient in g is then sigma_t times the gradient in
+            theta, so its step on tensor t is rescaled by sigma_t^2 relative to ``raw`` (for
+            the LeNet-style CNN on CIFAR-100, sigma^2 of conv1's weight is ~72x fc1's).
         upload_fraction: share of each delta's entries uploaded (largest magnitudes; the rest
             count as 0); the paper's Table 12 uses 0.3. Uploads then count values + int32 indices.
-        frozen_clients: resource-constrained clients (the paper's Tables 14-15), which train only
+        local_layers: the paper's Table 13: every client keeps its model's last
+            ``local_layers`` layers to itself. The hypernetwork generates only the other
+            tensors (K_i counts only those); the kept ones start from the architecture's seeded
+            initialization, train at each of the client's visits and persist across rounds,
+            and are never sent. 0 (default): the whole model is generated. A layer is a module
+            owning parameters, in the network's parameter order (a batch-norm layer counts as
+            one); every architecture must keep at least one generated layer.
+        frozen_clients: resource-constrained clients (the paper's Table 14), which train only
             part of their model: a share of all clients (drawn once, seeded) or a list of client
-            ids. Their leading ``frozen_layers`` layers keep the generated values throughout
-            local training (their delta is exactly 0); the rest trains as usual and the server
-            update is unchanged. Within an architecture's vmapped group the choice is a
-            per-client mask (no per-client loop); the frozen tensors' gradients are still
+            ids. Their last ``frozen_layers`` generated layers keep the generated values
+            throughout local training (their delta is exactly 0); the rest trains as usual and
+            the server update is unchanged. Within an architecture's vmapped group the choice
+            is a per-client mask (no per-client loop); the frozen tensors' gradients are still
             computed (as zeros), so the saving is simulated, not realized.
-        frozen_layers: how many leading layers a frozen client holds fixed (that they are the
-            leading ones is our reading of the paper); a layer is a module owning parameters, in
-            the network's parameter order (a batch-norm layer counts as one); every architecture
-            must keep at least one layer trainable.
+        frozen_layers: how many of the last (generated) layers a frozen client holds fixed
+            (Table 14 freezes the last layers); layers counted as for ``local_layers``; every
+            architecture must keep at least one layer trainable.
         recalibrate_batch_norm: before evaluating, each client re-estimates its batch-norm
             statistics for the model it is evaluated with (the current generated one) on one
             pass over its own training data: the mean of the per-batch statistics, in training
@@ -125,8 +137,9 @@ class MHPFedHN(FederatedMethod):
         n_layers: PositiveInt = 3,
         embed_std: PositiveFloat = 0.002,
         head_sharing: HeadSharing = "tau",
-        parametrization: Literal["standardized", "raw"] = "standardized",
+        parametrization: Literal["raw", "standardized"] = "raw",
         upload_fraction: Fraction = 1.0,
+        local_layers: NonNegativeInt = 0,
         frozen_clients: UnitInterval | list[NonNegativeInt] = 0.0,
         frozen_layers: PositiveInt = 1,
         recalibrate_batch_norm: bool = True,
@@ -164,16 +177,23 @@ class MHPFedHN(FederatedMethod):
                 "model.init_args.architectures",
             )
         standardized = parametrization == "standardized"
-        self.codecs = {
-            kind: FlatCodec(arch.initial_params(), standardized)
-            for kind, arch in self.zoo.archs.items()
-        }
+        self.local_names: dict[str, tuple[str, ...]] = {}
+        self.codecs: dict[str, FlatCodec] = {}
+        for kind, arch in self.zoo.archs.items():
+            initial = arch.initial_params()
+            kept = last_layers(list(initial), local_layers, kind, "local_layers")
+            self.local_names[kind] = kept
+            generated = {n: t for n, t in initial.items() if n not in kept}
+            self.codecs[kind] = FlatCodec(generated, standardized)
+            if kept:
+                rows = len(self.zoo.members(kind))
+                self.store.add_field(f"local.{kind}", {n: initial[n] for n in kept}, rows)
         self.frozen = client_subset(
             frozen_clients, h.num_clients, h.seed, FROZEN_STREAM, "model.init_args.frozen_clients"
         )
         self.freezes = bool(self.frozen.any())
         self.frozen_names = {
-            kind: leading_layers(codec.names, frozen_layers, kind)
+            kind: last_layers(codec.names, frozen_layers, kind, "frozen_layers")
             for kind, codec in self.codecs.items()
         }
         self.losses = {
@@ -197,10 +217,15 @@ class MHPFedHN(FederatedMethod):
                 embed_std,
                 head_sharing,
                 standardized,
+                self.separate_rows(),
             )
 
     def extra_counts(self) -> list[int]:
         """Counts of hypernetwork rows after the clients' (MH-pFedHNG: the global model)."""
+        return []
+
+    def separate_rows(self) -> list[int]:
+        """Hypernetwork rows with a head of their own (MH-pFedHNG: Table 10's global head)."""
         return []
 
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
@@ -220,6 +245,7 @@ class MHPFedHN(FederatedMethod):
         frozen: Params | None = None,
         buffers: tuple[str, Tensor] | None = None,
         freeze: tuple[Tensor, tuple[str, ...]] | None = None,
+        local: tuple[str, Tensor] | None = None,
     ) -> tuple[Tensor, Params, Tensor]:
         """``clients`` (all of architecture ``arch``) train the model decoded from ``flat``.
 
@@ -229,8 +255,12 @@ class MHPFedHN(FederatedMethod):
         (field, rows). ``freeze`` = (per-client mask ``[C]``, tensor names): the masked clients
         hold those tensors at their generated values (``loss_fn`` must come from
         :meth:`freezing`); they come back unchanged and their delta entries are exactly 0.
+        ``local`` = (field, rows) of the tensors the clients keep to themselves (Table 13):
+        trained with the rest and written back, never part of the delta.
         """
         params = codec.to_params(flat)
+        if local is not None:
+            params |= self.store.gather(*local, self.device)
         fixed = dict(frozen or {})
         if freeze is not None:
             mask, names = freeze
@@ -248,6 +278,9 @@ class MHPFedHN(FederatedMethod):
         )
         if arch.stateful and buffers is not None:
             self.store.scatter(*buffers, {n: result.params[n] for n in arch.buffer_shapes})
+        if local is not None:
+            kept = self.store.fields[local[0]]
+            self.store.scatter(*local, {n: result.params[n] for n in kept})
         trained = result.params
         delta = flat - codec.to_flat(trained)
         if freeze is not None:
@@ -362,6 +395,7 @@ class MHPFedHN(FederatedMethod):
                 None if teachers is None else {n: t[rows] for n, t in teachers.items()},
                 (f"buffers.{kind}", self.zoo.row_of[on_cpu]),
                 None if mask is None else (mask, self.frozen_names[kind]),
+                self.local_field(kind, on_cpu),
             )
             losses[rows] = loss
             generated.append(flat)
@@ -373,6 +407,12 @@ class MHPFedHN(FederatedMethod):
         self.server_gradients(generated, deltas, weights)
         return losses, down, up
 
+    def local_field(self, kind: str, clients: Tensor) -> tuple[str, Tensor] | None:
+        """(store field, rows) of the layers ``clients`` of ``kind`` keep (None: none kept)."""
+        if not self.local_names[kind]:
+            return None
+        return f"local.{kind}", self.zoo.row_of[clients.cpu()]
+
     def personal_loss(self, kind: str) -> LossFn:
         """The personal models' local loss (MH-pFedHN: cross-entropy)."""
         return self.losses[kind]
@@ -383,6 +423,9 @@ class MHPFedHN(FederatedMethod):
         arch = self.zoo.archs[kind]
         with torch.no_grad():
             params = self.codecs[kind].to_params(self.hnet(clients.cpu().tolist()))
+            local = self.local_field(kind, clients)
+            if local is not None:
+                params |= self.store.gather(*local, self.device)
             if arch.stateful and self.hp.recalibrate_batch_norm:
                 params |= self.batch_norm_statistics(arch, params, clients)
             elif arch.stateful:
@@ -441,6 +484,9 @@ class MHPFedHN(FederatedMethod):
             for kind, rows in self.zoo.split(clients):
                 members, arch = ids[rows.cpu()], self.zoo.archs[kind]
                 params = self.codecs[kind].to_params(self.hnet(members.tolist()))
+                local = self.local_field(kind, members)
+                if local is not None:
+                    params |= self.store.gather(*local, self.device)
                 field, store_rows = f"buffers.{kind}", self.zoo.row_of[members]
                 if arch.stateful:
                     params |= self.store.gather(field, store_rows, self.device)
@@ -461,13 +507,14 @@ class MHPFedHNG(MHPFedHN):
 
     The global model (by default the architecture with the fewest parameters, K_g = min_i K_i)
     is one more hypernetwork row with its own embeddings v_g, generated through the head of its
-    tau_g. Round: every sampled client that holds the global model (``global_clients``; default
-    all) first trains a copy of it for ``global_epochs`` epochs; the server sets the gradient
-    of phi and v_g from the sample-weighted mean of these holders' global deltas,
-    sum_i p_i delta_g,i with p_i = n_i / sum_holders n_j, clips it and takes an Adam step (a
-    round without a holder takes none); then the personal round of :class:`MHPFedHN` runs from
-    the updated phi (a second Adam step). Batch-norm statistics of a client's copy of the global
-    model stay with the client.
+    tau_g (``global_head: shared``, the paper's main setting) or a head of its own (``separate``,
+    the paper's Table 10). Round: every sampled client that holds the global model
+    (``global_clients``; default all) first trains a copy of it for ``global_epochs`` epochs;
+    the server sets the gradient of phi and v_g from the sample-weighted mean of these holders'
+    global deltas, sum_i p_i delta_g,i with p_i = n_i / sum_holders n_j, clips it and takes an
+    Adam step (a round without a holder takes none); then the personal round of
+    :class:`MHPFedHN` runs from the updated phi (a second Adam step). Batch-norm statistics of
+    a client's copy of the global model stay with the client.
 
     Args:
         global_net: the global model's architecture: a group of ``architectures``, or a
@@ -476,10 +523,15 @@ class MHPFedHNG(MHPFedHN):
         global_net_args: ``net_args`` of ``global_net`` when it is a registry name (an error
             when it names a group: a group's name shadows the registry name).
         global_epochs: local epochs on the global model (default ``local_epochs``).
-        global_clients: the clients that hold the global model (the paper's Tables 14-15, only
-            part of the clients can afford it): a share of all clients (drawn once, seeded; at
-            least one) or a list of client ids. Only they train it and (MH-pFedHNGD) distil
-            from it; the others train their personal model alone (plain cross-entropy).
+        global_clients: the clients that hold the global model (only part of the clients can
+            afford it; ours: which paper table, if any, studies this is not verified): a share
+            of all clients (drawn once, seeded; at least one) or a list of client ids. Only
+            they train it and (MH-pFedHNGD) distil from it; the others train their personal
+            model alone (plain cross-entropy).
+        global_head: ``shared`` (the paper's main setting, default): the global model is
+            generated through the head of its tau, which clients of that tau share (with the
+            paper's zoo: the LeNet-style CNN clients); ``separate`` (the paper's Table 10): a
+            head of its own.
         **kwargs: see :class:`MHPFedHN`.
     """
 
@@ -489,6 +541,7 @@ class MHPFedHNG(MHPFedHN):
         global_net_args: dict[str, Any] | None = None,
         global_epochs: PositiveInt | None = None,
         global_clients: Fraction | list[NonNegativeInt] = 1.0,
+        global_head: Literal["shared", "separate"] = "shared",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -527,6 +580,9 @@ class MHPFedHNG(MHPFedHN):
             self.store.add_field("global_buffers", self.global_arch.initial_buffers())
         return [self.global_codec.count]
 
+    def separate_rows(self) -> list[int]:
+        return [self.hp.num_clients] if self.hp.global_head == "separate" else []
+
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         h = self.hp
         holds = self.holds_global[clients.cpu()]
@@ -538,6 +594,9 @@ class MHPFedHNG(MHPFedHN):
             holders = clients[rows]
             flat = self.hnet([h.num_clients])  # server: the global model's flat vector [1, K_g]
             sent = flat.detach().expand(len(holders), -1)
+            received = self.global_codec.to_params(sent)
+            if self.global_arch.stateful:  # the holders' statistics before this round's training
+                received |= self.store.gather("global_buffers", holders, self.device)
             epochs = h.global_epochs or h.local_epochs
             batches = self.draw_batches(clients, round_idx, epochs, phase=1)
             delta, trained, _ = self.client_update(
@@ -557,9 +616,10 @@ class MHPFedHNG(MHPFedHN):
             self.server_optimizer.step()
             self.server_optimizer.zero_grad()
             if self.distills():  # non-holders get zeros in place of a teacher, never read
+                teacher = trained if h.get("distill_teacher") == "trained" else received
                 teachers = {
                     f"teacher.{n}": t.new_zeros(len(clients), *t.shape[1:]).index_copy(0, rows, t)
-                    for n, t in trained.items()
+                    for n, t in teacher.items()
                 }
                 teachers[HOLDS] = holds.to(self.device)
             down["global"] = sent
@@ -569,7 +629,7 @@ class MHPFedHNG(MHPFedHN):
         return losses
 
     def distills(self) -> bool:
-        """Whether personal training distills from the trained global model (GD)."""
+        """Whether personal training distills from the global model (GD)."""
         return False
 
     def results(self) -> dict[str, Any]:
@@ -579,11 +639,12 @@ class MHPFedHNG(MHPFedHN):
 class MHPFedHNGD(MHPFedHNG):
     """MH-pFedHNGD: MH-pFedHNG whose personal training distills from the global model.
 
-    Personal loss: (1 - lambda) CE(student) + lambda T^2 KL(p_teacher^T || p_student^T)
-    (:func:`~lightning_pfl.losses.distillation_loss`), the teacher being the client's copy of
-    the global model as it just trained it this round (evaluation mode). A client that does
-    not hold the global model (``global_clients``) uses lambda = 0, i.e. plain cross-entropy,
-    in the same vmapped group (a per-client weight, not a separate code path).
+    Personal loss: (1 - lambda) CE(student) + lambda KL(p_teacher^T || p_student^T), the
+    softmaxes at temperature T (times T^2 with ``distill_t_squared``), the teacher being the
+    global model the client received this round (``distill_teacher``; evaluation mode). A
+    client that does not hold the global model (``global_clients``) uses lambda = 0, i.e.
+    plain cross-entropy, in the same vmapped group (a per-client weight, not a separate code
+    path).
 
     lambda weights the distillation term, as in the authors' code (``MH-pFedHNGD.py``:
     ``alpha * distillation_loss + (1 - alpha) * real_loss``, ``--alpha`` 0.2 by default, "0.01,
@@ -594,6 +655,13 @@ class MHPFedHNGD(MHPFedHNG):
     Args:
         distill_temperature: T (paper: CIFAR-100 15, Tiny-ImageNet 24, EMNIST 10).
         distill_weight: lambda, the weight of the distillation term (paper: 0.01, 0.2, 0.1).
+        distill_teacher: ``received`` (default): the global model as the client received it
+            this round, generated before the server's global step and before the client trained
+            its copy (the authors' code, ``MH-pFedHNGD.py``, distils from that generated
+            model); ``trained`` (ours before issue 43): the client's copy after its global
+            training this round.
+        distill_t_squared: multiply the KL term by T^2 (Hinton et al.; the authors' code does).
+            False (default): the paper's loss, lambda KL without T^2.
         **kwargs: see :class:`MHPFedHNG`.
     """
 
@@ -601,6 +669,8 @@ class MHPFedHNGD(MHPFedHNG):
         self,
         distill_temperature: PositiveFloat = 15.0,
         distill_weight: UnitInterval = 0.01,
+        distill_teacher: Literal["received", "trained"] = "received",
+        distill_t_squared: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -615,11 +685,14 @@ class MHPFedHNGD(MHPFedHNG):
         return self.distill_losses[kind]
 
     def distillation(self, kind: str) -> LossFn:
-        """(1 - lambda) CE + lambda T^2 KL for a client of ``kind``; the teacher's tensors are
-        the ``teacher.``-prefixed frozen ones. With a per-client ``holds_global`` flag among
-        them, a client without the global model uses lambda = 0 (exactly its cross-entropy)."""
+        """(1 - lambda) CE + lambda KL (times T^2 with ``distill_t_squared``) for a client of
+        ``kind``; the teacher's tensors are the ``teacher.``-prefixed frozen ones. With a
+        per-client ``holds_global`` flag among them, a client without the global model uses
+        lambda = 0 (exactly its cross-entropy)."""
         student, teacher_arch = self.zoo.archs[kind], self.global_arch
         weight, temperature = self.hp.distill_weight, self.hp.distill_temperature
+        # losses.distillation_loss carries T^2; the paper's loss does not
+        scale = 1.0 if self.hp.distill_t_squared else 1.0 / temperature**2
         prefix = len("teacher.")
 
         def loss(
@@ -631,9 +704,8 @@ class MHPFedHNGD(MHPFedHNG):
             mix = weight if holds is None else torch.where(holds, weight, 0.0)
             logits, buffers = student.forward_train({**own, **params}, x)
             target = teacher_arch(teacher, x)
-            value = (1 - mix) * weighted_cross_entropy(logits, y, w) + mix * distillation_loss(
-                logits, target, temperature, w
-            )
+            kd = scale * distillation_loss(logits, target, temperature, w)
+            value = (1 - mix) * weighted_cross_entropy(logits, y, w) + mix * kd
             return (value, buffers) if buffers else value
 
         return loss
@@ -663,18 +735,18 @@ def client_subset(
     return mask
 
 
-def leading_layers(names: Sequence[str], count: int, kind: str) -> tuple[str, ...]:
-    """The tensor names of the first ``count`` layers (modules owning parameters, in
-    parameter order) among ``names``.
+def last_layers(names: Sequence[str], count: int, kind: str, key: str) -> tuple[str, ...]:
+    """The tensor names of the last ``count`` layers (modules owning parameters, in parameter
+    order) among ``names``; () for ``count`` 0.
 
     Raises:
-        ConfigError: naming ``frozen_layers`` when architecture ``kind`` has no layer left.
+        ConfigError: naming ``key`` when architecture ``kind`` would have no layer left.
     """
     layers = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names))
     if count >= len(layers):
         raise ConfigError(
-            f"model.init_args.frozen_layers = {count} leaves nothing to train in architecture "
-            f"{kind!r}, which has {len(layers)} layers; use 1..{len(layers) - 1}."
+            f"model.init_args.{key} = {count} leaves no layer of architecture {kind!r} "
+            f"(of {len(layers)}) to the hypernetwork's training; use 0..{len(layers) - 1}."
         )
-    first = set(layers[:count])
-    return tuple(n for n in names if n.rsplit(".", 1)[0] in first)
+    chosen = set(layers[len(layers) - count :])
+    return tuple(n for n in names if n.rsplit(".", 1)[0] in chosen)

@@ -43,7 +43,10 @@ class MultiHeadHyperNetwork(nn.Module):
             used for every slot of every row (Table 3 "no head").
         standardize: rescale every head at initialization so that its outputs over the initial
             embeddings have mean 0 and standard deviation 1 (clients then map them to their own
-            initialization scale, see :class:`FlatCodec`); False: PyTorch's default init.
+            initialization scale, see :class:`FlatCodec`); False (the paper): PyTorch's default
+            init.
+        separate: rows with a head of their own whatever ``sharing`` says (the paper's Table 10:
+            MH-pFedHNG's global model on a head separate from the clients of its tau).
     """
 
     def __init__(
@@ -55,12 +58,14 @@ class MultiHeadHyperNetwork(nn.Module):
         n_layers: int = 3,
         embed_std: float = 0.002,
         sharing: HeadSharing = "tau",
-        standardize: bool = True,
+        standardize: bool = False,
+        separate: Sequence[int] = (),
     ) -> None:
         super().__init__()
         self.counts = [int(k) for k in counts]
         self.output_size = output_size
         self.sharing = sharing
+        self.separate = {int(r) for r in separate}
         self.tau = [slots_needed(k, output_size) for k in self.counts]
         starts = [0]
         for t in self.tau:
@@ -75,7 +80,7 @@ class MultiHeadHyperNetwork(nn.Module):
         self.heads = nn.ParameterDict()
         for row, key in enumerate(self.head_of):
             if key + "_weight" not in self.heads:
-                slots = 1 if sharing == "none" else self.tau[row]
+                slots = 1 if key == "shared" else self.tau[row]
                 weight, bias = _default_linear(slots, hidden_dim, output_size)
                 self.heads[key + "_weight"] = nn.Parameter(weight)
                 self.heads[key + "_bias"] = nn.Parameter(bias)
@@ -83,10 +88,10 @@ class MultiHeadHyperNetwork(nn.Module):
             self._standardize_heads()
 
     def _head_key(self, row: int) -> str:
+        if row in self.separate or self.sharing == "client":
+            return f"row{row}"
         if self.sharing == "tau":
             return f"tau{self.tau[row]}"
-        if self.sharing == "client":
-            return f"row{row}"
         return "shared"
 
     def head_keys(self) -> list[str]:
@@ -122,7 +127,7 @@ class MultiHeadHyperNetwork(nn.Module):
     def _apply_head(self, key: str, features: Tensor) -> Tensor:
         """Head ``key`` on slot features ``[C, tau, H]``: ``[C, tau, N]``."""
         weight, bias = self.heads[key + "_weight"], self.heads[key + "_bias"]
-        if self.sharing == "none":
+        if key == "shared":
             return features @ weight[0].T + bias[0]
         return torch.einsum("cth,tnh->ctn", features, weight) + bias
 
@@ -159,7 +164,7 @@ class FlatCodec:
     tensor such as a norm layer's weight); otherwise theta = g.
     """
 
-    def __init__(self, initial: Mapping[str, Tensor], standardized: bool = True) -> None:
+    def __init__(self, initial: Mapping[str, Tensor], standardized: bool = False) -> None:
         self.names = list(initial)
         self.shapes = {n: tuple(t.shape) for n, t in initial.items()}
         self.sizes = [t.numel() for t in initial.values()]
