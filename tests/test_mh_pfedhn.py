@@ -621,7 +621,7 @@ def test_vectorized_equals_sequential_with_frozen_clients_and_local_layers() -> 
         rounds=2,
         num_clients=6,
         architectures=TINY,
-        **{**SMALL, "hn_lr": 1e-2, "frozen_clients": 0.5, "frozen_layers": 2, "local_layers": 1},
+        **{**SMALL, "hn_lr": 1e-2, "frozen_clients": 0.5, "frozen_layers": 1, "local_layers": 1},
     )
 
 
