@@ -76,10 +76,10 @@ TABLE_19 = {"resnet10": (3, 3, 4), "resnet12": (1, 5, 6), "resnet18": (6, 6, 6)}
 @pytest.mark.parametrize("name", list(TABLE_19))
 def test_resnets_have_table_19s_blocks_and_channel_plan(name: str) -> None:
     net = build_network(name, (3, 32, 32), 100)
-    stem = net.stem  # type: ignore[union-attr]
+    stem = net.stem
     assert isinstance(stem, torch.nn.Conv2d)
     assert (stem.out_channels, stem.kernel_size, stem.stride) == (16, (3, 3), (1, 1))
-    blocks = list(net.layers)  # type: ignore[union-attr, arg-type]
+    blocks: list[Any] = list(net.layers)  # type: ignore[arg-type]
     widths = [block.conv2.out_channels for block in blocks]
     stages = [widths.count(w) for w in (16, 32, 64)]
     assert tuple(stages) == TABLE_19[name] and len(widths) == sum(stages)
@@ -289,7 +289,7 @@ def test_sparsified_upload_keeps_the_largest_entries_and_counts_fewer_bytes() ->
 def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teacher(
     teacher: str,
 ) -> None:
-    options = {} if teacher == "received" else {"distill_teacher": teacher}  # default: received
+    options: dict[str, Any] = {} if teacher == "received" else {"distill_teacher": teacher}
     method = build_mh(MHPFedHNGD, distill_temperature=2.0, distill_weight=0.5, **options)
     assert isinstance(method, MHPFedHNGD)
     received = method.global_codec.to_params(method.hnet([method.hp.num_clients]).detach())
@@ -765,7 +765,7 @@ def test_table_13_local_layers_are_kept_trained_and_never_generated() -> None:
     evaluated = method.personalized_params(cnn[:1])
     for n in method.local_names["cnn"]:
         assert torch.equal(evaluated[f"cnn/{n}"][0], field[n][rows[0]])
-    kept = {n: field[n][rows[0]].clone() for n in method.local_names["cnn"]}
+    kept_now = {n: field[n][rows[0]].clone() for n in method.local_names["cnn"]}
     starts: list[dict[str, torch.Tensor]] = []
     train = method.local_train
 
@@ -775,7 +775,7 @@ def test_table_13_local_layers_are_kept_trained_and_never_generated() -> None:
 
     setattr(method, "local_train", spy)  # noqa: B010
     method.run_round(1, cnn[:1])  # the next visit starts from what the client kept
-    for n, value in kept.items():
+    for n, value in kept_now.items():
         assert torch.equal(starts[0][n][0], value)
     with pytest.raises(ConfigError, match="model.init_args.local_layers"):
         build_mh(local_layers=3)  # the MLP has 3 layers
