@@ -211,9 +211,72 @@ def test_hypernetwork_features_have_the_reference_mean_square() -> None:
     from lightning_pfl.models.hypernetwork import REFERENCE_MEAN_SQUARE
 
     for n_hidden in (0, 1, 3):
-        hnet = HyperNetwork(100, {"w": (4,)}, 26, 100, n_hidden)
+        hnet = HyperNetwork(100, {"w": (4,)}, 26, 100, n_hidden, feature_scale=True)
         square = hnet.features(torch.arange(100)).pow(2).sum(-1).mean()
         torch.testing.assert_close(square, torch.tensor(REFERENCE_MEAN_SQUARE), rtol=1e-4, atol=0)
+
+
+BUDGET_SIZES = {
+    "S": {"net": "digits_cnn", "net_args": {"width": 4, "hidden": 16}},
+    "L": {"net": "digits_cnn", "net_args": {"width": 8, "hidden": 16}},
+}
+
+
+@pytest.mark.parametrize("name", ["PFedHN", "PFedHNPC", "PFedHNBudgets", "PFedLHN", "PeFLL"])
+def test_hypernetworks_are_the_papers_by_default(name: str) -> None:
+    """No feature scaling and every linear layer (heads included) at nn.Linear's default
+    initialization, U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias, as in the pFedHN
+    paper's code (the heads were rescaled to the target's init and the features scaled)."""
+    from lightning_pfl.models.hypernetwork import FeatureScale
+
+    kwargs = {"architectures": BUDGET_SIZES} if name == "PFedHNBudgets" else {}
+    method = build(getattr(methods, name), digits_data(6), net="mlp", n_hidden=0, **kwargs)
+    scales = [m for m in method.hnet.modules() if isinstance(m, FeatureScale)]
+    assert scales and all(float(m.scale) == 1.0 for m in scales)
+    linears = [m for m in method.hnet.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) > 2
+    for layer in linears:
+        bound = layer.in_features**-0.5
+        assert layer.weight.abs().max() <= bound and layer.bias.abs().max() <= bound
+        if layer.weight.numel() >= 1000:  # the std of U(-b, b) is b / sqrt(3)
+            ratio = float(layer.weight.std()) / (bound / 3**0.5)
+            assert 0.95 < ratio < 1.05, (layer, ratio)
+
+
+def test_parametrization_options_restore_feature_scale_and_target_init() -> None:
+    """hn_feature_scale and hn_head_init: target are FeatureScale's calibration and
+    match_target_init applied to the paper's hypernetwork of the same seed, exactly."""
+    import copy
+
+    from lightning_pfl.models.hypernetwork import REFERENCE_MEAN_SQUARE, match_target_init
+
+    dm = digits_data(6)
+    paper = build(PFedHN, dm, net="mlp", n_hidden=0)
+    ours = build(PFedHN, dm, net="mlp", n_hidden=0, hn_feature_scale=True, hn_head_init="target")
+    assert paper.hp.hn_feature_scale is False and paper.hp.hn_head_init == "pytorch"
+    for (name, a), b in zip(
+        paper.hnet.mlp.named_parameters(), ours.hnet.mlp.parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert torch.equal(paper.hnet.embeddings.weight, ours.hnet.embeddings.weight)
+    with torch.no_grad():
+        raw = paper.hnet.mlp(paper.hnet.embeddings.weight)
+        scale = (REFERENCE_MEAN_SQUARE / raw.pow(2).sum(-1).mean()).sqrt()
+        torch.testing.assert_close(ours.hnet.feature_scale.scale, scale, rtol=1e-6, atol=0)
+        heads = copy.deepcopy(paper.hnet.heads)
+        own = paper.arch.initial_params()
+        match_target_init(list(heads), raw * ours.hnet.feature_scale.scale, list(own.values()))
+    for (name, expected), actual in zip(
+        heads.named_parameters(), ours.hnet.heads.parameters(), strict=True
+    ):
+        assert torch.equal(expected, actual), name
+    clients = torch.arange(6)
+    with torch.no_grad():
+        generated = ours.hnet(clients)
+        for name, tensor in generated.items():
+            own_std = float(own[name].std())
+            if own[name].numel() >= 100:
+                assert abs(float(tensor.std()) / own_std - 1) < 0.25, name
 
 
 @pytest.mark.parametrize(

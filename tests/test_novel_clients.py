@@ -32,8 +32,12 @@ from tests.conftest import build, digits_data, fit
 from tests.helpers import CONF, cli, run_dir
 from tests.test_runs import events
 
-# A small MLP hypernetwork setup on digits that trains well in 40 rounds (about 3 s on a core).
+# A small MLP hypernetwork setup on digits that trains well in 40 rounds (about 3 s on a core),
+# with the feature scale and target-scale heads its hn_lr was chosen for (the paper's
+# parametrization, the default, left the training clients at 58% after 40 rounds).
 LEARNS = {
+    "hn_feature_scale": True,
+    "hn_head_init": "target",
     "net": "mlp",
     "clients_per_round": 4,
     "local_steps": 10,

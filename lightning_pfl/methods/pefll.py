@@ -29,13 +29,14 @@ class EmbeddingNetwork(nn.Module):
     standardization v = (mean embedding - shift) / scale (buffers, identity until
     :meth:`calibrate`).
 
-    Why the standardization: the hypernetwork's initialization (its
-    :class:`~lightning_pfl.models.hypernetwork.FeatureScale` and
-    :func:`~lightning_pfl.models.hypernetwork.match_target_init`) is calibrated on standard
-    normal inputs, where clients lie about 1 apart per coordinate. Raw mean embeddings of an
-    untrained e lie far closer together (digits, 10 clients: 0.03 per coordinate), so the
-    generated models barely depend on the client (their spread across clients is 0.7% of their
-    scale, pFedHN's 22%) and stay so in training: PeFLL then learns one model for all clients.
+    Why the standardization: pFedHN's hypernetwork is built for standard normal inputs (its
+    ``nn.Embedding`` rows; with ``hn_feature_scale`` or ``hn_head_init: target`` its
+    initialization is also calibrated on them), where clients lie about 1 apart per
+    coordinate. Raw mean embeddings of an untrained e lie far closer together (digits, 10
+    clients: 0.03 per coordinate), so the generated models barely depend on the client (their
+    spread across clients is 0.7% of their scale, pFedHN's 22%, both measured with the feature
+    scale and target-scale heads) and stay so in training: PeFLL then learns one model for all
+    clients.
     The PeFLL authors' code likewise standardizes descriptors, with statistics fixed at the
     first step.
     """
@@ -90,9 +91,9 @@ class EmbeddingNetwork(nn.Module):
 class PeFLLNetwork(BaseHyperNetwork):
     """The two learned maps: descriptor v = e(S; psi), then theta = h(v; phi).
 
-    h is pFedHN's hypernetwork (MLP, fixed feature scale, one head per target tensor) fed with
-    the descriptor instead of a looked-up embedding; its embedding table only serves to
-    calibrate the initialization and is frozen.
+    h is pFedHN's hypernetwork (MLP, one head per target tensor, and pFedHN's
+    ``hn_feature_scale`` and ``hn_head_init``) fed with the descriptor instead of a looked-up
+    embedding; its embedding table is frozen and only serves to calibrate those two options.
     """
 
     def __init__(
@@ -103,7 +104,8 @@ class PeFLLNetwork(BaseHyperNetwork):
         hidden_dim: int,
         n_hidden: int,
         spectral_norm: bool,
-        target_init: Mapping[str, Tensor],
+        target_init: Mapping[str, Tensor] | None,
+        feature_scale: bool = False,
     ) -> None:
         super().__init__()
         self.embedder = embedder
@@ -115,6 +117,7 @@ class PeFLLNetwork(BaseHyperNetwork):
             n_hidden,
             spectral_norm,
             target_init,
+            feature_scale=feature_scale,
         )
         self.generator.embeddings.weight.requires_grad_(False)
 
@@ -198,7 +201,8 @@ class PeFLL(PFedHN):
             h.hidden_dim,
             h.n_hidden,
             h.spectral_norm,
-            self.arch.initial_params(),
+            self.head_target_init(),
+            h.hn_feature_scale,
         )
 
     @property

@@ -8,10 +8,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import Params
+from lightning_pfl.engine import Architecture, Params
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import HyperNetwork
-from lightning_pfl.models.hypernetwork import BaseHyperNetwork, set_delta_gradients
+from lightning_pfl.models.hypernetwork import (
+    DEFAULT_FEATURE_SCALE,
+    DEFAULT_HEAD_INIT,
+    BaseHyperNetwork,
+    HeadInit,
+    set_delta_gradients,
+)
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -38,6 +44,12 @@ class PFedHN(FederatedMethod):
     The two are the same with one client per round (the paper's setting). The pFedHN paper
     describes one client per round; FL-bench, which users compare against, steps per client.
 
+    The hypernetwork is the paper's (its code's ``CNNHyper``: ``nn.Embedding`` and ``nn.Linear``
+    layers at PyTorch's default initialization) unless one of two options that are not in the
+    paper is set: ``hn_feature_scale`` and ``hn_head_init: target`` (their defaults live in
+    :mod:`lightning_pfl.models.hypernetwork`, ``DEFAULT_FEATURE_SCALE`` and
+    ``DEFAULT_HEAD_INIT``).
+
     Args:
         embed_dim: client embedding size (default floor(1 + n / 4)).
         hidden_dim: hypernetwork MLP width.
@@ -51,6 +63,18 @@ class PFedHN(FederatedMethod):
         hn_max_grad_norm: clip of the hypernetwork gradient norm (None: off).
         hn_update: ``mean`` (one server step with the mean over the round's clients) or
             ``per_client`` (one server step per client in turn, FL-bench's pFedHN).
+        hn_feature_scale: multiply the features the heads read by a constant that sets their
+            mean square E||h||^2 over the initial embeddings to 0.5, the value of the paper's
+            CIFAR HN (:class:`~lightning_pfl.models.hypernetwork.FeatureScale`). A server step
+            moves client i's generated weights by about hn_lr * ||h_i||^2 / (1 - hn_momentum)
+            times its delta, so this makes ``hn_lr`` mean the same for every HN depth (the
+            one-hidden-layer MNIST HN has E||h||^2 ~ 36). Not in the paper nor its code
+            (False: the paper's unscaled features).
+        hn_head_init: ``pytorch``: every output head keeps ``nn.Linear``'s default
+            initialization (the paper's code); ``target``: the heads are rescaled so that the
+            generated tensors start with the mean and standard deviation of the target
+            network's own initialization
+            (:func:`~lightning_pfl.models.hypernetwork.match_target_init`; not in the paper).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`; the pFedHN inner
             loop defaults (K=50 steps, batch 64, lr 5e-3, momentum 0.9, wd 5e-5, clip 50) are
             the base defaults.
@@ -69,6 +93,8 @@ class PFedHN(FederatedMethod):
         hn_weight_decay: NonNegativeFloat = 1e-3,
         hn_max_grad_norm: PositiveFloat | None = 50.0,
         hn_update: Literal["mean", "per_client"] = "mean",
+        hn_feature_scale: bool = DEFAULT_FEATURE_SCALE,
+        hn_head_init: HeadInit = DEFAULT_HEAD_INIT,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -88,8 +114,16 @@ class PFedHN(FederatedMethod):
             h.hidden_dim,
             h.n_hidden,
             h.spectral_norm,
-            self.arch.initial_params(),
+            self.head_target_init(),
+            feature_scale=h.hn_feature_scale,
         )
+
+    def head_target_init(self, arch: Architecture | None = None) -> dict[str, Tensor] | None:
+        """What the hypernetwork's heads start at: the initial tensors of ``arch`` (default the
+        method's target) with ``hn_head_init: target``, None (PyTorch's default) otherwise."""
+        if self.hp.hn_head_init != "target":
+            return None
+        return (arch or self.arch).initial_params()
 
     def generated_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """Shapes of the tensors the hypernetwork generates (all target tensors)."""

@@ -27,22 +27,23 @@ PAPER_SIZES: dict[str, dict[str, Any]] = {
 class BudgetHyperNetwork(BaseHyperNetwork):
     """h(v_i; phi) for clients of several target sizes: the embedding table v and MLP body of a
     :class:`~lightning_pfl.models.HyperNetwork` (built without heads) are shared by every size;
-    each size has its own output heads, one per tensor of that size's network, started at that
-    network's own initialization scale.
+    each size has its own output heads, one per tensor of that size's network, at PyTorch's
+    default initialization, or, given ``target_init`` (``hn_head_init: target``), started at
+    that network's own initialization scale.
     """
 
     def __init__(
         self,
         body: HyperNetwork,
         target_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
-        target_init: Mapping[str, Mapping[str, Tensor]],
+        target_init: Mapping[str, Mapping[str, Tensor]] | None = None,
     ) -> None:
         super().__init__()
         self.body = body
         self.target_shapes = {size: dict(shapes) for size, shapes in target_shapes.items()}
         self.heads = nn.ModuleDict(
             {
-                size: body.new_heads(shapes, target_init[size])
+                size: body.new_heads(shapes, target_init[size] if target_init else None)
                 for size, shapes in target_shapes.items()
             }
         )
@@ -127,12 +128,19 @@ class PFedHNBudgets(PFedHN):
         self.losses = {size: cross_entropy_loss(arch) for size, arch in archs.items()}
         n = h.num_clients
         body = HyperNetwork(
-            n, {}, h.embed_dim or int(1 + n / 4), h.hidden_dim, h.n_hidden, h.spectral_norm
+            n,
+            {},
+            h.embed_dim or int(1 + n / 4),
+            h.hidden_dim,
+            h.n_hidden,
+            h.spectral_norm,
+            feature_scale=h.hn_feature_scale,
         )
+        init = {size: self.head_target_init(arch) for size, arch in archs.items()}
         return BudgetHyperNetwork(
             body,
             {size: arch.shapes for size, arch in archs.items()},
-            {size: arch.initial_params() for size, arch in archs.items()},
+            {size: t for size, t in init.items() if t is not None} or None,
         )
 
     @property

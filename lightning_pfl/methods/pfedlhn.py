@@ -27,7 +27,9 @@ class LayerwiseHyperNetwork(BaseHyperNetwork):
     Each layer's HN is a :class:`~lightning_pfl.models.HyperNetwork` (MLP and one head per
     tensor of that layer) that generates that layer's tensors only. With ``shared_embedding``
     the layer HNs read one client embedding table v (the parameter sharing across layer
-    modules); otherwise each layer has its own embeddings v_i^l.
+    modules); otherwise each layer has its own embeddings v_i^l. ``target_init`` and
+    ``feature_scale`` as in :class:`~lightning_pfl.models.HyperNetwork` (PFedLHN passes pFedHN's
+    ``hn_head_init`` and ``hn_feature_scale``).
     """
 
     def __init__(
@@ -38,14 +40,22 @@ class LayerwiseHyperNetwork(BaseHyperNetwork):
         hidden_dim: int,
         n_hidden: int,
         spectral_norm: bool,
-        target_init: Mapping[str, Tensor],
+        target_init: Mapping[str, Tensor] | None,
         shared_embedding: bool = True,
+        feature_scale: bool = False,
     ) -> None:
         super().__init__()
         self.layer_names = list(layers_of(target_shapes))
         self.layers = nn.ModuleList(
             HyperNetwork(
-                num_clients, shapes, embed_dim, hidden_dim, n_hidden, spectral_norm, target_init
+                num_clients,
+                shapes,
+                embed_dim,
+                hidden_dim,
+                n_hidden,
+                spectral_norm,
+                target_init,
+                feature_scale=feature_scale,
             )
             for shapes in layers_of(target_shapes).values()
         )
@@ -112,6 +122,7 @@ class PFedLHN(PFedHN):
             h.hidden_dim,
             h.n_hidden,
             h.spectral_norm,
-            self.arch.initial_params(),
+            self.head_target_init(),
             h.shared_embedding,
+            h.hn_feature_scale,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -12,9 +13,22 @@ from torch.nn.utils.parametrizations import spectral_norm as add_spectral_norm
 
 REFERENCE_MEAN_SQUARE = 0.5
 
+HeadInit = Literal["pytorch", "target"]
+"""How the output heads start: ``pytorch`` is ``nn.Linear``'s default initialization (the pFedHN
+paper's code), ``target`` is :func:`match_target_init` (ours, not in the paper)."""
+
+# The defaults of pFedHN's two parametrization options (``hn_feature_scale``, ``hn_head_init``)
+# for every method that builds its hypernetwork from them (PFedHN, PFedHNPC, PFedHNBudgets,
+# PFedLHN, PeFLL): the paper's parametrization. This is the one place to change them.
+DEFAULT_FEATURE_SCALE: bool = False
+DEFAULT_HEAD_INIT: HeadInit = "pytorch"
+
 
 class FeatureScale(nn.Module):
     """Multiplies hypernetwork features by a constant fixed at initialization.
+
+    Not in the pFedHN paper nor its code, whose heads read the MLP's output as it is (pFedHN's
+    ``hn_feature_scale: false``, the default; the constant then stays 1).
 
     A server step with learning rate lr on an output head moves client i's generated weights by
     lr * ||h_i||^2 times its delta, and momentum beta stretches that to
@@ -50,6 +64,9 @@ def match_target_init(
     heads: Sequence[nn.Module], features: Tensor, targets: Sequence[Tensor]
 ) -> None:
     """Rescale the output heads so generated tensors start at their target's own init scale.
+
+    Not in the pFedHN paper nor its code, whose heads keep ``nn.Linear``'s default
+    initialization (pFedHN's ``hn_head_init: pytorch``, the default).
 
     Head k (an ``nn.Linear`` with PyTorch's default initialization) generates target tensor t_k
     from features h. Over ``features`` (those of the initial embeddings) its outputs W h + b
@@ -140,12 +157,15 @@ class HyperNetwork(BaseHyperNetwork):
     ``n_hidden=3`` is the pFedHN CIFAR hypernetwork; ``n_hidden=0`` its one-hidden-layer MNIST
     variant.
 
-    Two choices at initialization keep the server step stable for every target and HN size
-    (see :class:`FeatureScale` and :func:`match_target_init`): the features entering the heads
-    are scaled to a fixed mean square, and, given ``target_init`` (the target network's own
-    initial tensors), each head starts so that generated tensors have the target's own
-    initialization mean and scale. ``spectral_norm`` normalizes the heads' weights by their
-    largest singular value, which overrides the second choice.
+    Two choices at initialization that are not in the pFedHN paper nor its code make the server
+    step the same for every target and HN size (see :class:`FeatureScale` and
+    :func:`match_target_init`): with ``feature_scale`` the features entering the heads are
+    scaled to a fixed mean square, and, given ``target_init`` (the target network's own initial
+    tensors), each head starts so that generated tensors have the target's own initialization
+    mean and scale. Without both this is the paper's hypernetwork (PFedHN passes its
+    ``hn_feature_scale`` and ``hn_head_init``, whose defaults are the paper's).
+    ``spectral_norm`` normalizes the heads' weights by their largest singular value, which
+    overrides the second choice.
 
     Args:
         num_clients: number of embeddings (n).
@@ -167,6 +187,7 @@ class HyperNetwork(BaseHyperNetwork):
         n_hidden: int = 3,
         spectral_norm: bool = False,
         target_init: Mapping[str, Tensor] | None = None,
+        feature_scale: bool = True,
     ) -> None:
         super().__init__()
         self.hidden_dim = hidden_dim
@@ -178,8 +199,9 @@ class HyperNetwork(BaseHyperNetwork):
             layers += [nn.ReLU(), self.linear(hidden_dim, hidden_dim)]
         self.mlp = nn.Sequential(*layers)
         self.feature_scale = FeatureScale()
-        with torch.no_grad():
-            self.feature_scale.calibrate(self.mlp(self.embeddings.weight))
+        if feature_scale:
+            with torch.no_grad():
+                self.feature_scale.calibrate(self.mlp(self.embeddings.weight))
         self.heads = self.new_heads(self.target_shapes, target_init)
 
     def linear(self, i: int, o: int) -> nn.Module:
@@ -205,7 +227,7 @@ class HyperNetwork(BaseHyperNetwork):
         return heads
 
     def features(self, clients: Tensor) -> Tensor:
-        """The scaled features h(v_i) that every head reads."""
+        """The features h(v_i) that every head reads (scaled with ``feature_scale``)."""
         return self.feature_scale(self.mlp(self.embeddings(clients)))
 
     def forward(self, clients: Tensor) -> dict[str, Tensor]:
