@@ -337,7 +337,9 @@ def end_to_end(args: argparse.Namespace, path: str) -> dict[str, Any]:
     """pFedHN, one client per round, through ``lightning-pfl fit`` (validation off)."""
     from lightning_pfl.cli import run
 
-    config = Path(__file__).resolve().parents[1] / "configs" / "pfedhn" / "cifar10_50clients.yaml"
+    config = (
+        Path(__file__).resolve().parents[1] / "configs" / "pfedhn" / "table1_cifar10_50clients.yaml"
+    )
     clock = RoundClock()
     with tempfile.TemporaryDirectory() as logs:
         cli = run(
