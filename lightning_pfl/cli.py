@@ -249,7 +249,9 @@ class PFLCLI(LightningCLI):
         if not files:
             return None
         path = Path(str(files[-1]))
-        dumped = json.loads(self._parser(self.subcommand).dump(config, format="json"))
+        dumped = json.loads(
+            self._parser(self.subcommand).dump(config, format="json", skip_none=False)
+        )
         record = paper_record(path, flatten(dumped))
         if record is not None:
             rank_zero_info(describe_record(path, record))

@@ -29,6 +29,7 @@ FACTS = {
                 "model.init_args.local_lr": {"value": 5e-3, "source": "section 4 (default)"},
                 "data.init_args.partition.init_args.classes": {"value": 2, "source": "sec. 4"},
                 "trainer.max_steps": {"value": 4, "source": "section 4"},
+                "model.init_args.local_epochs": {"value": None, "source": "K steps, section 4"},
             },
         }
     },
@@ -102,6 +103,7 @@ def test_overrides_name_every_differing_or_missing_key(tmp_path: Path) -> None:
         "model.class_path": "lightning_pfl.methods.FedAvg",
         "model.init_args.clients_per_round": 3,
         "model.init_args.local_lr": 5e-3,
+        "model.init_args.local_epochs": None,
         "trainer.max_steps": 4,
     }
     found = {o.key: (o.paper, o.run) for o in overrides(entry, flat)}
