@@ -621,7 +621,9 @@ def test_vectorized_equals_sequential_with_frozen_clients_and_local_layers() -> 
         rounds=2,
         num_clients=6,
         architectures=TINY,
-        **{**SMALL, "hn_lr": 1e-2, "frozen_clients": 0.5, "frozen_layers": 1, "local_layers": 1},
+        # Adam turns float-rounding differences of near-zero gradients into steps of up to hn_lr:
+        # 1e-3 keeps them inside the helper's tolerance with one or two threads (1e-2 not with one).
+        **{**SMALL, "hn_lr": 1e-3, "frozen_clients": 0.5, "frozen_layers": 1, "local_layers": 1},
     )
 
 
