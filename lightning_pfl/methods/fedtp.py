@@ -121,9 +121,8 @@ class FedTP(FedAvg):
                 hidden_dim,
                 n_hidden,
                 target_init=self.arch.initial_params() if matched else None,
+                feature_scale=matched,
             )
-        if not matched:
-            self.hnet.feature_scale.scale.fill_(1.0)
 
     def generated_names(self) -> tuple[str, ...]:
         """The tensors the hypernetwork generates: every block's qkv projection."""
