@@ -222,7 +222,8 @@ def test_hypernetwork_update_is_the_gradient_of_its_surrogate() -> None:
 
 def test_hypernetwork_starts_as_the_reference_code() -> None:
     """Default heads: PyTorch's Linear init reading unscaled features (the reference code);
-    ``hn_init: match_target`` starts generated qkv weights at the ViT's own init scale."""
+    ``hn_feature_scale`` with ``hn_head_init: target`` starts generated qkv weights at the ViT's
+    own init scale."""
     default = small(FedTP)
     assert float(default.hnet.feature_scale.scale) == 1.0
     bound = 1 / math.sqrt(default.hp.hidden_dim)
@@ -233,7 +234,7 @@ def test_hypernetwork_starts_as_the_reference_code() -> None:
     features = default.hnet.mlp(default.hnet.embeddings(clients))
     torch.testing.assert_close(default.hnet.features(clients), features)
 
-    matched = small(FedTP, hn_init="match_target")
+    matched = small(FedTP, hn_feature_scale=True, hn_head_init="target")
     assert float(matched.hnet.feature_scale.scale) != 1.0
     own = matched.arch.initial_params()
     generated = matched.hnet(clients)

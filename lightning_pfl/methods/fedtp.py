@@ -8,7 +8,7 @@ of features).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from lightning_pfl.losses import (
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.models import HyperNetwork, build_network
-from lightning_pfl.models.hypernetwork import set_delta_gradients
+from lightning_pfl.models.hypernetwork import HeadInit, set_delta_gradients
 from lightning_pfl.models.transformers import ViT, qkv_names
 from lightning_pfl.validation import (
     Momentum,
@@ -37,8 +37,6 @@ from lightning_pfl.validation import (
     PositiveInt,
     UnitInterval,
 )
-
-HNInit = Literal["default", "match_target"]
 
 
 class FedTP(FedAvg):
@@ -62,12 +60,13 @@ class FedTP(FedAvg):
         hn_weight_decay: hypernetwork weight decay.
         hn_max_grad_norm: clip of the hypernetwork gradient norm (None: off, as the paper and
             its reference code).
-        hn_init: ``default``: the heads keep PyTorch's default Linear initialization and read
-            the MLP's features unscaled, as the reference code (the paper does not say);
-            ``match_target``: the features are scaled to a mean square of 0.5 and the heads
-            rescaled so that generated qkv weights start at the ViT's own initialization scale
-            (``FeatureScale`` and ``match_target_init`` of ``lightning_pfl.models.hypernetwork``,
-            this library's remedy for pFedHN at 100 clients).
+        hn_feature_scale: scale the features the heads read to a mean square of 0.5
+            (``FeatureScale`` of ``lightning_pfl.models.hypernetwork``, pFedHN's option of the
+            same name; False: unscaled, as the reference code; the paper does not say).
+        hn_head_init: ``pytorch``: the heads keep ``nn.Linear``'s default initialization (the
+            reference code); ``target``: they are rescaled so that generated qkv weights start
+            at the ViT's own initialization scale (``match_target_init``, pFedHN's option of the
+            same name). Both on: this library's remedy for pFedHN at 100 clients.
         net: a transformer with named qkv projections (``vit`` or ``char_transformer``).
         local_lr: client SGD learning rate (0.01).
         local_weight_decay: client weight decay (1e-5, reference code).
@@ -89,7 +88,8 @@ class FedTP(FedAvg):
         hn_momentum: Momentum = 0.9,
         hn_weight_decay: NonNegativeFloat = 1e-3,
         hn_max_grad_norm: PositiveFloat | None = None,
-        hn_init: HNInit = "default",
+        hn_feature_scale: bool = False,
+        hn_head_init: HeadInit = "pytorch",
         net: str = "vit",
         local_lr: PositiveFloat = 1e-2,
         local_weight_decay: NonNegativeFloat = 1e-5,
@@ -112,7 +112,6 @@ class FedTP(FedAvg):
                 f"model.init_args.net '{net}' has no attention qkv projections to personalize; "
                 f"{type(self).__name__} needs a transformer: vit or char_transformer."
             )
-        matched = hn_init == "match_target"
         with self.seeded_init():
             self.hnet = HyperNetwork(
                 self.hp.num_clients,
@@ -120,8 +119,8 @@ class FedTP(FedAvg):
                 embed_dim,
                 hidden_dim,
                 n_hidden,
-                target_init=self.arch.initial_params() if matched else None,
-                feature_scale=matched,
+                target_init=self.arch.initial_params() if hn_head_init == "target" else None,
+                feature_scale=hn_feature_scale,
             )
 
     def generated_names(self) -> tuple[str, ...]:
