@@ -7,12 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.metrics import over_evaluations
 from lightning_pfl.papers import load_fact_table, overrides, same_value
-from tests.helpers import CONF, cli
+from tests.helpers import CONF, cli, run_dir
 
 FACTS = {
     "paper": "Someone et al. A paper. 2099",
@@ -179,3 +180,15 @@ def test_results_carry_the_test_split_of_every_evaluation(tmp_path: Path) -> Non
     assert result["test_last_evals"]["rounds"] == [2, 4]
     final = result["test_last"]
     assert history[-1]["acc_weighted"] == pytest.approx(final["acc_weighted"])
+
+
+def test_a_checkpoint_without_the_evaluation_history_is_refused(tmp_path: Path) -> None:
+    config = CONF / "fedavg.yaml"
+    cli(config, tmp_path, "--trainer.max_steps=2")
+    path = run_dir(tmp_path, config) / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    del checkpoint["pfl"]["eval_history"]
+    older = tmp_path / "older.ckpt"
+    torch.save(checkpoint, older)
+    with pytest.raises(ConfigError, match="eval_history"):
+        cli(config, tmp_path, f"--ckpt_path={older}")

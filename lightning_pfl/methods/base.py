@@ -816,6 +816,13 @@ class FederatedMethod(LightningModule, ABC):
         self.store.load_state_dict(state["client_state"])
         self.best = state["best"]
         self.last_val = state["last_val"]
+        if "eval_history" not in state:
+            raise ConfigError(
+                "the checkpoint was written before runs kept the test accuracy of every "
+                "evaluation (eval_history, behind results.json's test_max_over_evals and "
+                "test_last_evals), so a run resumed from it could not reach the state of an "
+                "uninterrupted one; start the run again without --ckpt_path."
+            )
         self.eval_history = state["eval_history"]
         self.train_seconds = state["train_seconds"]
         self.rounds_timed = state["rounds_timed"]
