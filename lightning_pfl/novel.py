@@ -40,9 +40,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from torch.func import vmap
 
-from lightning_pfl.engine import ClientBatches, Params, derive_seed
+from lightning_pfl.engine import ClientBatches, derive_seed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
 from lightning_pfl.partition import ClientDirichlet
@@ -238,7 +237,7 @@ class NovelClients(Callback):
         if adaptation.params is None:
             correct, total, _ = method.evaluate(clients, "test")
         else:
-            correct, total = evaluate_params(method, clients, adaptation.params())
+            correct, total, _ = method.evaluate_clients(clients, "test", adaptation.params())
         per_client = torch.where(total > 0, correct / total.clamp_min(1), torch.nan)
         pooled = correct.sum() / total.sum().clamp_min(1)
         return torch.cat([per_client, per_client.nanmean()[None], pooled[None]])
@@ -329,23 +328,6 @@ class NovelClients(Callback):
         }
 
 
-@torch.no_grad()
-def evaluate_params(
-    method: FederatedMethod, clients: Tensor, params: Params
-) -> tuple[Tensor, Tensor]:
-    """Correct test predictions and test samples of ``clients`` under the models ``params``
-    (stacked ``[len(clients), ...]``), with the method's :meth:`~FederatedMethod.predict`."""
-    by_size = method.data.by_size(clients, "test")
-    params = by_size.sort(params)
-    sums = torch.zeros(len(clients), 2, device=method.device)
-    for k, x, y, weight in by_size.blocks(method.hp.eval_batch_size):
-        logits = vmap(method.predict)({n: t[:k] for n, t in params.items()}, x)
-        hits = (logits.argmax(-1) == y).float()
-        sums[:k] += torch.stack([hits * weight, weight], -1).sum(1)
-    correct, total = by_size.unsort(sums).unbind(1)
-    return correct, total
-
-
 def gap_vs_distance_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]) -> Any:
     """The paper's Figure 2: per novel client, its generalization gap (test accuracy minus the
     training clients') against its TV distance to the nearest training client; one series
@@ -389,7 +371,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 __all__ = [
     "NovelClients",
-    "evaluate_params",
     "gap_vs_distance_figure",
     "requiring_grad",
     "total_variation_to_nearest",

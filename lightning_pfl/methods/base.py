@@ -38,7 +38,7 @@ from lightning_pfl.engine import (
 )
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
 from lightning_pfl.graphs import CudaGraphRecorder, RoundGraphs
-from lightning_pfl.metrics import ClientAccuracy, over_evaluations
+from lightning_pfl.metrics import ACCURACIES, ClientAccuracy, over_evaluations
 from lightning_pfl.models import build_network
 from lightning_pfl.reporting import per_client_figure, report_partition
 from lightning_pfl.validation import (
@@ -289,13 +289,22 @@ class FederatedMethod(LightningModule, ABC):
                 "are not among its personalized parameters; it cannot adapt novel clients."
             )
 
+        return NovelAdaptation(
+            [embeddings.weight],
+            self.novel_loss(lambda: {**self.personalized_params(clients), **hnet(clients)}),
+        )
+
+    def novel_loss(self, params: Callable[[], Params]) -> Callable[[Tensor, Tensor], Tensor]:
+        """A :class:`NovelAdaptation` loss: the sum over the novel clients of the mean
+        cross-entropy of :meth:`predict` with ``params()`` (their models, stacked in the order
+        of the batch's rows)."""
+
         def loss(index: Tensor, weight: Tensor) -> Tensor:
-            params = {**self.personalized_params(clients), **hnet(clients)}
             x, y = self.data.fetch(index)
-            logits = vmap(self.predict)(params, x)
+            logits = vmap(self.predict)(params(), x)
             return vmap(weighted_cross_entropy)(logits, y, weight).sum()
 
-        return NovelAdaptation([embeddings.weight], loss)
+        return loss
 
     # ----------------------------------------------------------------- helpers for methods
     def refuse_batch_norm(self, reason: str, arch: Architecture | None = None) -> None:
@@ -670,9 +679,12 @@ class FederatedMethod(LightningModule, ABC):
         return out  # type: ignore[return-value]
 
     @torch.no_grad()
-    def evaluate_clients(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
+    def evaluate_clients(
+        self, clients: Tensor, split: Split, params: Params | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`evaluate` for ``clients`` that share one network architecture: one vmap, or
-        on a CPU the clients in worker threads where training uses the threaded loop."""
+        on a CPU the clients in worker threads where training uses the threaded loop.
+        ``params``: their models (stacked), default :meth:`personalized_params`."""
         world = self.trainer.world_size if self._trainer is not None else 1
         vectorize, threads = (
             (True, 1)
@@ -681,7 +693,7 @@ class FederatedMethod(LightningModule, ABC):
         )
         batched_predict = vmap(self.predict)
         by_size = self.data.by_size(clients, split)
-        params = by_size.sort(self.personalized_params(clients))
+        params = by_size.sort(self.personalized_params(clients) if params is None else params)
         sums = torch.zeros(len(clients), 3, device=self.device)  # correct, samples, loss
         for k, x, y, weight in by_size.blocks(self.hp.eval_batch_size):
             first = {name: value[:k] for name, value in params.items()}
@@ -720,14 +732,12 @@ class FederatedMethod(LightningModule, ABC):
         round_idx = int(self.global_step)
         self.last_val = {**stats, "round": round_idx}
         test = self._evaluate_all("test")[0]
-        self.eval_history.append(
-            {"round": round_idx, **{k: test[k] for k in ("acc", "acc_weighted")}}
-        )
+        self.eval_history.append({"round": round_idx, **{k: test[k] for k in ACCURACIES}})
         if not self.best or stats[key] > self.best["val"][key]:
             self.best = {"round": round_idx, "val": stats, "test": test}
         logged = {f"val/{k}": v for k, v in stats.items()}
         logged["val/best_acc"] = self.best["val"][key]
-        logged |= {f"test_eval/{k}": test[k] for k in ("acc", "acc_weighted")}
+        logged |= {f"test_eval/{k}": test[k] for k in ACCURACIES}
         self._log_at_round(logged)
         self._log_client_accuracy("val", per_client)
         if self.trainer.is_global_zero and self.trainer.progress_bar_callback is None:

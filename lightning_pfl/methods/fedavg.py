@@ -2,37 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import vmap
 
 from lightning_pfl.engine import (
     Params,
     TrainResult,
     client_mean,
     drop_batch_counters,
-    weighted_cross_entropy,
 )
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
 from lightning_pfl.models import build_network
 from lightning_pfl.validation import Momentum, PositiveFloat
-
-
-def novel_loss(method: FederatedMethod, params: Callable[[], Params]) -> Callable[..., Tensor]:
-    """The novel-client adaptation loss: the sum over the novel clients of the mean
-    cross-entropy of :meth:`~FederatedMethod.predict` with ``params()`` (their models,
-    stacked in the order of the batch's rows)."""
-
-    def loss(index: Tensor, weight: Tensor) -> Tensor:
-        x, y = method.data.fetch(index)
-        logits = vmap(method.predict)(params(), x)
-        return vmap(weighted_cross_entropy)(logits, y, weight).sum()
-
-    return loss
 
 
 class FedAvg(FederatedMethod):
@@ -169,7 +153,7 @@ class FedAvg(FederatedMethod):
             return self.fine_tune_adaptation(clients)
         stored = self.store.fields["personal"]
         tensors = [t for n, t in stored.items() if n in personal and n in self.arch.shapes]
-        return NovelAdaptation(tensors, novel_loss(self, lambda: self.personalized_params(clients)))
+        return NovelAdaptation(tensors, self.novel_loss(lambda: self.personalized_params(clients)))
 
     def fine_tune_adaptation(self, clients: Tensor) -> NovelAdaptation:
         """Each novel client fine-tunes its own copy of the global model's parameters (the
@@ -183,4 +167,4 @@ class FedAvg(FederatedMethod):
         def params() -> Params:
             return buffers | copies
 
-        return NovelAdaptation(list(copies.values()), novel_loss(self, params), params=params)
+        return NovelAdaptation(list(copies.values()), self.novel_loss(params), params=params)

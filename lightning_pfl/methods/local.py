@@ -9,7 +9,6 @@ from torch import Tensor
 
 from lightning_pfl.engine import Params
 from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
-from lightning_pfl.methods.fedavg import novel_loss
 
 
 class Local(FederatedMethod):
@@ -44,4 +43,4 @@ class Local(FederatedMethod):
         train on their data; batch-norm statistics are not adapted."""
         stored = self.store.fields["params"]
         tensors = [t for n, t in stored.items() if n in self.arch.shapes]
-        return NovelAdaptation(tensors, novel_loss(self, lambda: self.personalized_params(clients)))
+        return NovelAdaptation(tensors, self.novel_loss(lambda: self.personalized_params(clients)))
