@@ -58,6 +58,12 @@ as each run ends. SIGINT or SIGTERM to it is passed on to the running runs, whic
 ``last.ckpt`` and stop, and no new run starts: ``--resume`` with the same ``--log-dir`` goes
 on with the unfinished ones.
 
+Without ``--jobs``, several ``--seeds`` of a method and split are one job of the CLI
+(``--runs.seeds``, :mod:`lightning_pfl.jobs`): the runs' local training is shared, each run
+keeps its own folder ``<log-dir>/<setting>-<split>-<method>/seed_<seed>`` and row, and a row's
+``cli`` trains that run alone (the same result, up to float rounding on the vmap and threaded
+paths). ``--seeds-apart`` runs them one after another instead.
+
     python -m benchmarks.accuracy --setting digits --seeds 0 1 2
     python -m benchmarks.accuracy --setting digits --methods fedprox --seeds 0 1 2
     python -m benchmarks.accuracy --setting fashion_mnist --root /data --rounds-scale 0.2
@@ -160,6 +166,32 @@ def run_one(
     result["stability"] = training_stability(run_dir)
     result["majority_class"] = majority_class_accuracy(cli.datamodule.partition_counts())
     return result
+
+
+def run_seeds(
+    config: Path, extra: list[str], log_dir: Path, name: str, seeds: list[int]
+) -> list[dict[str, Any]]:
+    """The runs of ``seeds`` (split and training seed) as one job (``--runs.seeds``): their
+    local training shared, each run's folder ``<name>/seed_<seed>``; rows in seed order."""
+    args = [
+        "fit",
+        f"--config={config}",
+        f"--trainer.logger.init_args.save_dir={log_dir}",
+        f"--trainer.logger.init_args.name={name}",
+        *extra,
+        f"--runs.seeds={json.dumps(seeds)}",
+    ]
+    job = run(args).job
+    assert job is not None
+    results = []
+    for member in job.members:
+        run_dir = Path(member.trainer.log_dir)
+        with open(run_dir / "results.json") as f:
+            result: dict[str, Any] = json.load(f)
+        result["stability"] = training_stability(run_dir)
+        result["majority_class"] = majority_class_accuracy(member.datamodule.partition_counts())
+        results.append(result)
+    return results
 
 
 def majority_class_accuracy(counts: dict[str, np.ndarray]) -> dict[str, float]:
@@ -285,22 +317,24 @@ def scaled_trainer_args(config: Path, scale: float) -> list[str]:
 
 
 def run_arguments(
-    config: Path, data: list[str], seed: int, scale: float, extra: list[str]
+    config: Path, data: list[str], seed: int | None, scale: float, extra: list[str]
 ) -> list[str]:
     """CLI arguments of one benchmark run: ``data`` (root and split), ``seed`` for the split
-    and the model, the config's rounds scaled by ``scale``, then ``extra``."""
+    and the model (None: set by the job), the config's rounds scaled by ``scale``, then
+    ``extra``."""
+    seeds = [f"--data.init_args.seed={seed}", f"--model.init_args.seed={seed}"]
     return [
         *data,
-        f"--data.init_args.seed={seed}",
-        f"--model.init_args.seed={seed}",
+        *(seeds if seed is not None else []),
         *scaled_trainer_args(config, scale),
         *extra,
     ]
 
 
-def run_name(setting: str, split: str, method: str, seed: int) -> str:
-    """A run's name: its folder under ``--log-dir`` (where ``--resume`` looks for it)."""
-    return f"{setting}-{split}-{method}-s{seed}"
+def run_name(setting: str, split: str, method: str, seed: int | None) -> str:
+    """A run's name: its folder under ``--log-dir`` (where ``--resume`` looks for it); a job's
+    (seed None) holds its runs' folders."""
+    return f"{setting}-{split}-{method}" + (f"-s{seed}" if seed is not None else "")
 
 
 def with_machine(row: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
@@ -418,6 +452,11 @@ def main() -> None:
     parser.add_argument("--root", help="folder holding FashionMNIST/raw (fashion_mnist settings)")
     parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument(
+        "--seeds-apart",
+        action="store_true",
+        help="train the seeds one after another instead of as one job (--runs.seeds)",
+    )
     parser.add_argument("--rounds-scale", type=float, default=1.0)
     parser.add_argument("--methods", nargs="+", help="config names (default: every config)")
     parser.add_argument("--splits", nargs="+", help="splits of the setting (default: all)")
@@ -471,6 +510,27 @@ def main() -> None:
         return
     for config in configs:
         rows = []
+        if len(args.seeds) > 1 and not args.seeds_apart:
+            for split, split_args in chosen.items():
+                extra = run_arguments(
+                    config, base + split_args, None, args.rounds_scale, args.extra
+                )
+                name = run_name(args.setting, split, config.stem, None)
+                if args.resume and any(
+                    checkpointed_versions(p) for p in (log_dir / name).glob("*")
+                ):
+                    print(f"{name}: resuming the job's runs from their last.ckpt")
+                    extra.append("--ckpt_path=last")
+                results = run_seeds(config, extra, log_dir, name, args.seeds)
+                for seed, result in zip(args.seeds, results, strict=True):
+                    alone = run_arguments(
+                        config, base + split_args, seed, args.rounds_scale, args.extra
+                    )
+                    cli = ["fit", f"--config={config.relative_to(REPO)}", *alone]
+                    rows.append(summarize(config.stem, split, seed, result, started["commit"], cli))
+                    print_table(rows[-1:])
+            write_rows(Path(args.out_dir) / args.setting / f"{config.stem}.json", rows, started)
+            continue
         for seed in args.seeds:
             for split, split_args in chosen.items():
                 extra = run_arguments(

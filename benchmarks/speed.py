@@ -27,6 +27,13 @@ evaluation excluded) after one warm-up round, which includes compilation and gra
 and is reported apart; the paths of a setting take turns round by round, and each reports the
 median of its rounds.
 
+``--job N`` times ``N`` one-client-per-round pFedHN runs (seeds 0..N-1) through ``lightning-pfl
+fit`` as one job (``--runs.seeds``, the runs' local training shared) against the same runs one
+after another, wall clock of the whole command each (building, data, training, no validation),
+on ``--job-configs`` (default: the digits protocol; add
+``configs/fashion_mnist_pfedhn_table1/pfedhn.yaml`` with ``--job-root`` for FashionMNIST), and
+reports run-rounds per second of both and their ratio.
+
 ``--e2e`` adds the end-to-end time per round of ``lightning-pfl fit`` itself (Lightning's loop,
 logging and the per-round checks included, validation excluded) for pFedHN with one client per
 round on the CIFAR CNN (the paper's setting), per path.
@@ -62,8 +69,8 @@ from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.datasets.registry import DATASETS, DatasetArrays, DatasetSpec
 from lightning_pfl.engine import Architecture
+from lightning_pfl.execution import usable_cores
 from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN
-from lightning_pfl.methods.base import usable_cores
 from lightning_pfl.methods.fedtp import FedTP
 from lightning_pfl.models import build_network
 from lightning_pfl.partition import IID
@@ -161,8 +168,6 @@ def build(
     model.attach_data(data)
     model.to(args.device)
     model.store.to(torch.device(args.device), offload=args.device == "cuda")
-    # as the method's setup() does under a Trainer: `default` gets whatever the device's default is
-    model.round_graphs = model._round_graphs()
     return model
 
 
@@ -376,6 +381,65 @@ def end_to_end(args: argparse.Namespace, path: str) -> dict[str, Any]:
     return row
 
 
+def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
+    """``args.job`` runs of ``config`` as one job and one after another (wall clock)."""
+    from lightning_pfl.cli import run
+
+    seeds = list(range(args.job))
+    common = [
+        "fit",
+        f"--config={config}",
+        "--model.init_args.clients_per_round=1",
+        f"--trainer.max_steps={args.job_rounds}",
+        f"--trainer.val_check_interval={args.job_rounds}",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--test_after_fit=false",
+        "--checkpoint.every_n_rounds=0",
+        "--checkpoint.every_minutes=null",
+        *([f"--data.init_args.root={args.job_root}"] if args.job_root else []),
+    ]
+    with tempfile.TemporaryDirectory() as logs:
+        start = time.perf_counter()
+        for seed in seeds:
+            run(
+                [
+                    *common,
+                    f"--trainer.logger.init_args.save_dir={logs}/alone_{seed}",
+                    f"--model.init_args.seed={seed}",
+                    f"--data.init_args.seed={seed}",
+                ]
+            )
+        alone = time.perf_counter() - start
+        start = time.perf_counter()
+        cli = run(
+            [*common, f"--trainer.logger.init_args.save_dir={logs}/job", f"--runs.seeds={seeds}"]
+        )
+        together = time.perf_counter() - start
+    assert cli.job is not None
+    lockstep = cli.job.lockstep
+    run_rounds = args.job * args.job_rounds
+    row = {
+        "config": config,
+        "runs": args.job,
+        "rounds": args.job_rounds,
+        "one_after_another_seconds": alone,
+        "job_seconds": together,
+        "one_after_another_run_rounds_per_second": run_rounds / alone,
+        "job_run_rounds_per_second": run_rounds / together,
+        "throughput_ratio": alone / together,
+        "jobs_handed_in": lockstep.submissions,
+        "computations": lockstep.groups_trained,
+        "trained_apart_because": sorted(lockstep.apart_reasons),
+    }
+    print(
+        f"job of {args.job} x {args.job_rounds} rounds, {config}: one after another "
+        f"{alone:.1f} s, as one job {together:.1f} s: {row['throughput_ratio']:.2f}x",
+        flush=True,
+    )
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -401,6 +465,10 @@ def main() -> None:
     parser.add_argument("--e2e", action="store_true", help="also time lightning-pfl fit")
     parser.add_argument("--e2e-rounds", type=int, default=200)
     parser.add_argument("--e2e-paths", nargs="+", default=["vectorized", "vectorized-graphs"])
+    parser.add_argument("--job", type=int, default=0, help="runs of a job (0: no job timing)")
+    parser.add_argument("--job-rounds", type=int, default=50)
+    parser.add_argument("--job-configs", nargs="+", default=["configs/digits/pfedhn.yaml"])
+    parser.add_argument("--job-root", default=None, help="data.init_args.root of the job runs")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     started = environment()
@@ -431,6 +499,7 @@ def main() -> None:
         )
     ]
     e2e = [end_to_end(args, path) for path in args.e2e_paths] if args.e2e else []
+    jobs = [job_speed(args, config) for config in args.job_configs] if args.job else []
     result = {
         "benchmark": "speed",
         "environment": started,
@@ -439,6 +508,7 @@ def main() -> None:
         "rows": rows,
         "total_clients_curve": curve,
         "end_to_end": e2e,
+        "jobs": jobs,
         "args": vars(args),
     }
     with open(args.out, "w") as f:

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from lightning_pfl import partition as partition_module
 from lightning_pfl.callbacks import RoundCheckpoint
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.errors import ConfigError, PFLError
+from lightning_pfl.jobs import Job, Runs, RunSpec, expand
 from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.papers import describe_record, paper_record
 
@@ -174,6 +176,16 @@ def _config_path_name(configs: list[Any]) -> str:
 class PFLCLI(LightningCLI):
     """LightningCLI with data -> model links, checked resumes, safe run folders and results."""
 
+    job: Job | None = None
+    results_path: Path | None = None
+
+    def __init__(
+        self, *positional: Any, argv: list[str], defer: bool = False, **kwargs: Any
+    ) -> None:
+        self.argv = argv  # the command's arguments (a job's runs extend them)
+        self.defer = defer
+        super().__init__(*positional, **kwargs)
+
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {
@@ -203,6 +215,7 @@ class PFLCLI(LightningCLI):
             help="config keys (e.g. model.init_args.local_lr) that may differ from the "
             "checkpoint's when resuming; every other difference in model or data is refused",
         )
+        parser.add_class_arguments(Runs, "runs")
 
     def _parse_ckpt_path(self) -> None:
         """Never replace the config with the checkpoint's hyperparameters (see _check_resume)."""
@@ -226,6 +239,9 @@ class PFLCLI(LightningCLI):
                 logger.init_args.save_dir = os.path.join(str(root), str(save_dir))
             if "name" in logger.init_args and logger.init_args.name is None:
                 logger.init_args.name = _config_path_name(config.get("config") or [])
+        self.job = self._job(config)
+        if self.job is not None:
+            return  # each run checks its own checkpoint
         ckpt_path = config.get("ckpt_path")
         if ckpt_path == "last":
             if self.subcommand != "fit":
@@ -233,6 +249,73 @@ class PFLCLI(LightningCLI):
             config.ckpt_path = self._resolve_last(logger)
         elif ckpt_path:
             self._check_checkpoint(Path(ckpt_path), config)
+
+    def _job(self, config: Namespace) -> Job | None:
+        """The job of ``runs`` (None: a single run), checked before anything is written."""
+        runs = Runs(**config.runs)
+        if not runs.requested:
+            return None
+        if self.subcommand != "fit":
+            raise ConfigError(f"runs trains several runs: use fit, not {self.subcommand}.")
+        devices = config.trainer.get("devices")
+        if isinstance(devices, str) and devices.lstrip("-").isdigit():
+            devices = int(devices)
+        many = (isinstance(devices, int) and devices not in (1,)) or (
+            isinstance(devices, (list, tuple)) and len(devices) > 1
+        )
+        if many or (config.trainer.get("num_nodes") or 1) > 1:
+            raise ConfigError(
+                "runs trains its runs together in one process: use trainer.devices 1 (a job "
+                "shares one device), or run the seeds as separate DDP runs."
+            )
+        logger = config.trainer.logger
+        if not isinstance(logger, Namespace) or "init_args" not in logger:
+            raise ConfigError("runs needs the TensorBoard logger: each run gets its own folder.")
+        dumped = json.loads(
+            self._parser(self.subcommand).dump(config, format="json", skip_none=False)
+        )
+        specs = expand(runs, flatten(dumped))
+        return Job(
+            specs,
+            Path(str(logger.init_args.save_dir)),
+            str(logger.init_args.name),
+            str(config.model.init_args.get("select_metric", "acc")),
+        )
+
+    def instantiate_classes(self) -> None:
+        if self.job is None:
+            super().instantiate_classes()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        if self.defer:  # a run of a job: fit_now starts it
+            return
+        if self.job is None:
+            super()._run_subcommand(subcommand)
+            return
+        resume = self.config[subcommand].get("ckpt_path") == "last"
+        self.job.run(lambda index, spec, member: self._member(spec, member, resume))
+
+    def _member(self, spec: RunSpec, member: Callback, resume: bool) -> PFLCLI:
+        """One run of the job: the command's arguments with the run's values and folder."""
+        assert self.job is not None
+        folder = self.job.folder / spec.label
+        args = [*self.argv, "--runs.seeds=null", "--runs.grid={}"]
+        for key, value in spec.overrides.items():
+            args.append(f"--{key}={value if isinstance(value, str) else json.dumps(value)}")
+        args += [
+            f"--trainer.logger.init_args.save_dir={self.job.save_dir}",
+            f"--trainer.logger.init_args.name={self.job.name}/{spec.label}",
+            "--trainer.enable_progress_bar=false",
+        ]
+        if resume and not checkpointed_versions(folder):
+            args.append("--ckpt_path=null")  # interrupted before its first checkpoint
+        with warnings.catch_warnings():  # the job's own arguments are in sys.argv
+            warnings.filterwarnings("ignore", "LightningCLI's args parameter")
+            return run(args, callbacks=[member], run_subcommand=False)
+
+    def fit_now(self) -> None:
+        """Fit a CLI built with ``run_subcommand=False`` (a run of a job)."""
+        super()._run_subcommand("fit")
 
     def _experiment(self, config: Namespace) -> dict[str, Any]:
         """Every model and data argument that defines the experiment, flattened."""
@@ -368,6 +451,7 @@ class PFLCLI(LightningCLI):
             "config": json.loads(config),
         }
         path = os.path.join(log_dir, "results.json")
+        self.results_path = Path(path)
         with open(path, "w") as f:
             json.dump(results, f, indent=2, default=str)
 
@@ -434,10 +518,16 @@ def _default_logger_name(args: list[str]) -> None:
     )
 
 
-def run(args: list[str] | None = None, callbacks: list[Callback] | None = None) -> PFLCLI:
+def run(
+    args: list[str] | None = None,
+    callbacks: list[Callback] | None = None,
+    run_subcommand: bool = True,
+) -> PFLCLI:
     """Run the CLI with ``args`` (default: ``sys.argv``) and return it (for scripts and tests);
-    ``callbacks`` are added to the trainer's."""
-    _default_logger_name(list(args if args is not None else sys.argv[1:]))
+    ``callbacks`` are added to the trainer's. ``run_subcommand=False``: parse, check and build
+    only (:meth:`PFLCLI.fit_now` runs it)."""
+    argv = list(args if args is not None else sys.argv[1:])
+    _default_logger_name(argv)
     return PFLCLI(
         FederatedMethod,
         FederatedDataModule,
@@ -445,9 +535,11 @@ def run(args: list[str] | None = None, callbacks: list[Callback] | None = None) 
         subclass_mode_data=True,
         trainer_defaults={**TRAINER_DEFAULTS, **({"callbacks": callbacks} if callbacks else {})},
         save_config_kwargs={"overwrite": True},
+        argv=argv,
         args=args,
         auto_configure_optimizers=False,
         seed_everything_default=0,
+        defer=not run_subcommand,
     )
 
 

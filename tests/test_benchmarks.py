@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import lightning_pfl.execution as execution
 from benchmarks import evaluation, report, speed
 from lightning_pfl.cli import checkpointed_versions
 from tests.conftest import build, digits_data
@@ -44,13 +45,13 @@ def test_speed_gives_every_path_the_round_graphs_a_trainer_would(
     """A GPU's `default` is graphed under a Trainer, so the benchmark's `default` must be too."""
     recorded = object()
     monkeypatch.setattr(
-        speed.FederatedMethod,
-        "_round_graphs",
-        lambda self: recorded if self.hp.cuda_graphs in (None, True) else None,
+        execution,
+        "make_round_graphs",
+        lambda settings, device: recorded if settings.cuda_graphs in (None, True) else None,
     )
     args = argparse.Namespace(device="cpu", **TINY)
     model = speed.build("FedAvg", num_clients=4, clients_per_round=3, args=args, path=path)
-    assert (model.round_graphs is recorded) == (path != "vectorized")
+    assert (model.executor.graphs is recorded) == (path != "vectorized")
 
 
 def test_speed_times_a_fedtp_round_that_trains_its_generated_qkv() -> None:

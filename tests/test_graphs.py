@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+import lightning_pfl.execution as execution
 from lightning_pfl.graphs import CudaGraphRecorder, EagerRecorder, Leaves, RoundGraphs
 from lightning_pfl.methods import (
     FedAvg,
@@ -78,17 +79,17 @@ def _final_state(cls: type[FederatedMethod], recorder: Any, **kwargs: Any) -> tu
     dm = digits_data(6, **kwargs.pop("data", {}))
     kwargs.setdefault("clients_per_round", 3)
     method = build(cls, dm, **kwargs)
-    original = FederatedMethod._round_graphs
+    original = execution.make_round_graphs
 
-    def with_recorder(self: FederatedMethod) -> RoundGraphs | None:
-        return RoundGraphs(recorder) if recorder is not None else original(self)
+    def with_recorder(settings: Any, device: torch.device) -> RoundGraphs | None:
+        return RoundGraphs(recorder) if recorder is not None else original(settings, device)
 
-    FederatedMethod._round_graphs = with_recorder  # type: ignore[method-assign]
+    execution.make_round_graphs = with_recorder  # type: ignore[assignment]
     try:
         fit(method, dm, rounds=3, accelerator="gpu" if torch.cuda.is_available() else "cpu")
     finally:
-        FederatedMethod._round_graphs = original  # type: ignore[method-assign]
-    return method.state_dict(), method.store.state_dict(), method.round_graphs
+        execution.make_round_graphs = original
+    return method.state_dict(), method.store.state_dict(), method.executor.graphs
 
 
 METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [

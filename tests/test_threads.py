@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_pfl.methods.base as base
+import lightning_pfl.execution as execution
 from lightning_pfl.engine import (
     Architecture,
     ClientBatches,
@@ -132,10 +132,10 @@ def test_step_flops_counts_forward_and_backward_on_meta() -> None:
 
 
 def paths(monkeypatch: pytest.MonkeyPatch, world: int = 1, **kwargs: Any) -> tuple[bool, int]:
-    monkeypatch.setattr(base, "usable_cores", lambda: 4)
+    monkeypatch.setattr(execution, "usable_cores", lambda: 4)
     dm = digits_data(6)
     method = build(FedAvg, dm, **kwargs)
-    return method.training_path(method.arch, world)
+    return execution.Executor(method.execution, dm, method.device, world=world).path(method.arch)
 
 
 def test_default_path_per_network_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,7 +143,7 @@ def test_default_path_per_network_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Non
     assert paths(monkeypatch) == (True, 1)  # digits CNN, batch 8: ~4 MFLOP
     big = {"net_args": {"width": 64}, "batch_size": 256}
     wide = Architecture(build_network("digits_cnn", (1, 8, 8), 10, width=64))
-    assert wide.step_flops(torch.zeros(256, 1, 8, 8)) > base.VMAP_CPU_MAX_STEP_FLOPS
+    assert wide.step_flops(torch.zeros(256, 1, 8, 8)) > execution.VMAP_CPU_MAX_STEP_FLOPS
     assert paths(monkeypatch, **big) == (False, 4)
     assert paths(monkeypatch, **big, client_threads=3) == (False, 3)
     assert paths(monkeypatch, **big, compile_step=True) == (True, 1)
@@ -165,16 +165,16 @@ def test_dropout_networks_train_one_by_one(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_auto_path_trains_as_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """A method left on the defaults with a large step runs threaded and matches one by one."""
-    monkeypatch.setattr(base, "usable_cores", lambda: 2)
-    monkeypatch.setattr(base, "VMAP_CPU_MAX_STEP_FLOPS", 0)
+    monkeypatch.setattr(execution, "usable_cores", lambda: 2)
+    monkeypatch.setattr(execution, "VMAP_CPU_MAX_STEP_FLOPS", 0)
     calls: list[int] = []
-    original = base.train_clients
+    original = execution.train_clients
 
     def spy(*args: Any) -> TrainResult:
         calls.append(args[-1])
         return original(*args)
 
-    monkeypatch.setattr(base, "train_clients", spy)
+    monkeypatch.setattr(execution, "train_clients", spy)
     states = []
     for kwargs in ({}, {"vectorize": False, "client_threads": 1}):
         dm = digits_data(6)

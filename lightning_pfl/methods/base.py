@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.func import vmap
 
@@ -33,11 +32,16 @@ from lightning_pfl.engine import (
     cross_entropy_loss,
     derive_seed,
     predict_clients,
-    train_clients,
     weighted_cross_entropy,
 )
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
-from lightning_pfl.graphs import CudaGraphRecorder, RoundGraphs
+from lightning_pfl.execution import (
+    ExecutionSettings,
+    Executor,
+    TrainJob,
+    check_threadable,
+    choose_executor,
+)
 from lightning_pfl.metrics import ACCURACIES, ClientAccuracy, over_evaluations
 from lightning_pfl.models import build_network
 from lightning_pfl.reporting import per_client_figure, report_partition
@@ -56,16 +60,6 @@ if TYPE_CHECKING:
     from lightning_pfl.assignment import NetworkGroups
 
 INIT_STREAM, CLIENT_STREAM, BATCH_STREAM, SERVER_INIT_STREAM, DROPOUT_STREAM = 0, 1, 2, 3, 4
-# ``vectorize: null`` on a CPU: vmap when one client step (forward + backward of a batch) costs
-# less, else the threaded per-client loop. Measured on 2 cores, 20 clients per round
-# (benchmarks/results/speed_cpu_crossover): vmap 2.2x faster at 4 MFLOP and 1.3x at 17; the
-# threaded loop 1.14x faster at 34 and 1.23x at 68 (1.8x on LeNet-5 at 145, docs/performance.md).
-VMAP_CPU_MAX_STEP_FLOPS = 24e6
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass
@@ -199,8 +193,10 @@ class FederatedMethod(LightningModule, ABC):
             except ConfigError as error:
                 raise ConfigError(f"model.init_args.net / net_args: {error}") from None
             self.arch = Architecture(network)
-        if client_threads is not None and client_threads > 1:
-            self.check_threadable(self.arch)
+        self.execution = ExecutionSettings(
+            vectorize, compile_step, cuda_graphs, client_threads, batch_size
+        )
+        check_threadable(self.execution, self.arch, net)
         self.store = ClientStateStore(num_clients)
         self.cross_entropy = cross_entropy_loss(self.arch)  # one object: a compiled step reuses it
         # Lightning's DDP wrapper refuses modules without trainable parameters (Local,
@@ -225,8 +221,8 @@ class FederatedMethod(LightningModule, ABC):
         self.experiment: dict[str, Any] | None = None  # set by the CLI, checked on resume
         self.extra_results: dict[str, Any] = {}  # entries callbacks add to results.json
         self.server_optimizer: torch.optim.Optimizer | None = None  # set by configure_optimizers
-        self.round_graphs: RoundGraphs | None = None  # set in on_fit_start (needs the device)
-        self._step_flops: dict[int, int] = {}
+        self._executor: Executor | None = None
+        self._executor_pinned = False
 
     # ----------------------------------------------------------------- hooks for methods
     @abstractmethod
@@ -360,7 +356,7 @@ class FederatedMethod(LightningModule, ABC):
             steps=None if epochs is not None else h.local_steps,
             epochs=epochs,
         )
-        if epochs is not None and self.round_graphs is not None:
+        if epochs is not None and self.executor.graphs is not None:
             # Rounds differ in their largest client; pad to the largest of all clients (idle
             # steps change nothing) so that one recorded round serves every round.
             largest = int(self.data.num_samples("train").max())
@@ -387,147 +383,43 @@ class FederatedMethod(LightningModule, ABC):
         the returned ``params`` hold them too. ``batches`` defaults to :meth:`draw_batches` of
         ``clients`` for ``round_idx``; ``groups`` to one group with the local SGD settings.
         """
-        h = self.hp
         arch = arch or self.arch
         state = {n: t for n, t in params.items() if n in arch.buffer_shapes}
         trainable = {n: t for n, t in params.items() if n not in state}
         batches = batches if batches is not None else self.draw_batches(clients, round_idx)
         groups = groups or [ParamGroup(tuple(trainable), self.local_sgd())]
         loss_fn = loss_fn or (self.cross_entropy if arch is self.arch else cross_entropy_loss(arch))
-        world = self.trainer.world_size if self._trainer is not None else 1
-        if world == 1:
-            vectorize, threads = self.training_path(arch)
-            result = train_clients(
-                loss_fn,
-                trainable,
-                groups,
-                batches,
-                self.data.fetch,
-                frozen,
-                momentum,
-                vectorize,
-                h.compile_step,
-                state,
-                self.round_graphs,
-                self._fetch_key(),
-                threads,
+        result = self.executor.train(
+            TrainJob(
+                loss_fn, trainable, tuple(groups), batches, arch, frozen or {}, momentum, state
             )
-        else:
-            result = self._train_across_ranks(
-                world, arch, loss_fn, trainable, groups, batches, frozen or {}, momentum, state
-            )
+        )
         result.params = {**result.params, **result.state}
         return result
 
-    def check_threadable(self, arch: Architecture) -> None:
-        """Refuse an explicit ``client_threads > 1`` where clients cannot train concurrently."""
-        h = self.hp
-        if arch.stochastic:
-            raise ConfigError(
-                f"model.init_args.client_threads = {h.client_threads} trains clients "
-                f"concurrently, which needs a client step without random numbers, and net "
-                f"'{h.net}' has dropout; use client_threads 1 or null (null: one by one here)."
+    @property
+    def executor(self) -> Executor:
+        """How local training runs (:mod:`lightning_pfl.execution`): chosen for this device and
+        world size at first use, or the one a job of several runs installed."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        current = self._executor
+        if current is None or not (
+            self._executor_pinned or current.serves(self.data, self.device, world)
+        ):
+            current = self._executor = choose_executor(
+                self.execution,
+                self.data,
+                self.device,
+                world,
+                self.global_rank,
+                self.all_gather,  # type: ignore[arg-type]
             )
-        if h.compile_step:
-            raise ConfigError(
-                f"model.init_args.client_threads = {h.client_threads} with compile_step: true; "
-                "a compiled step runs one client at a time: use client_threads 1 or null."
-            )
+        return current
 
-    def training_path(self, arch: Architecture, world: int = 1) -> tuple[bool, int]:
-        """``(vectorize, threads)`` for local training of ``arch`` on this device.
-
-        ``vectorize`` True: vmap. False: the loop, with ``client_threads`` threads (default 1).
-        None: on a CPU, the loop with ``client_threads`` (default: every usable core) when
-        one step of ``arch`` costs at least ``VMAP_CPU_MAX_STEP_FLOPS``, else vmap; vmap on
-        other devices. Threads need a CPU, one process and a deterministic, uncompiled step.
-        """
-        h = self.hp
-        if h.vectorize:
-            return True, 1
-        threadable = (
-            self.device.type == "cpu" and world == 1 and not h.compile_step and not arch.stochastic
-        )
-        if h.vectorize is None:
-            threads = (h.client_threads or usable_cores()) if threadable else 1
-            if threads == 1 or self.step_flops(arch) < VMAP_CPU_MAX_STEP_FLOPS:
-                return True, 1
-            return False, threads
-        return False, (h.client_threads or 1) if threadable else 1
-
-    def step_flops(self, arch: Architecture) -> int:
-        """FLOPs of one local step of ``arch`` on a batch of ``batch_size`` (counted once)."""
-        flops = self._step_flops.get(id(arch))
-        if flops is None:
-            index = torch.zeros(self.hp.batch_size, dtype=torch.long, device=self.data.device)
-            example, _ = self.data.fetch(index)
-            flops = self._step_flops[id(arch)] = arch.step_flops(example)
-        return flops
-
-    def _train_across_ranks(
-        self,
-        world: int,
-        arch: Architecture,
-        loss_fn: LossFn,
-        params: Params,
-        groups: Sequence[ParamGroup],
-        batches: ClientBatches,
-        frozen: Params,
-        momentum: Params | None,
-        state: Params,
-    ) -> TrainResult:
-        """Each rank trains a contiguous share of the round's clients; results are all-gathered.
-
-        Batches were drawn for the whole round on every rank, so a client's batches do not
-        depend on which rank trains it, and every rank ends with the full round result and runs
-        the identical server update: the outcome equals the single-process run up to float
-        rounding (CPU kernels round differently with different thread counts, and Lightning
-        gives each rank a share of the cores).
-        """
-        num_clients = batches.active.shape[0]
-        per_rank = -(-num_clients // world)
-        slots = torch.arange(per_rank * world, device=batches.active.device)
-        mine = slots.view(world, per_rank)[self.global_rank]
-        real = mine < num_clients  # padding slots repeat the last client and never step
-        rows = mine.clamp(max=num_clients - 1)
-
-        def take(tensors: Params) -> Params:
-            return {n: t[rows.to(t.device)] for n, t in tensors.items()}
-
-        local = train_clients(
-            loss_fn,
-            take(params),
-            groups,
-            ClientBatches(
-                batches.index[rows], batches.weight[rows], batches.active[rows] & real[:, None]
-            ),
-            self.data.fetch,
-            take(frozen),
-            take(momentum) if momentum is not None else None,
-            self.training_path(arch, world)[0],
-            self.hp.compile_step,
-            take(state),
-            self.round_graphs,
-            self._fetch_key(),
-        )
-
-        def gather(tensors: Params) -> Params:
-            full = self.all_gather(tensors)
-            return {n: t.flatten(0, 1)[:num_clients] for n, t in full.items()}  # type: ignore[union-attr]
-
-        merged = gather({"loss": local.loss, "steps": local.steps})
-        return TrainResult(
-            gather(local.params),
-            gather(local.momentum),
-            merged["loss"],
-            merged["steps"],
-            gather(local.state),
-        )
-
-    def _fetch_key(self) -> tuple[int, ...]:
-        """What identifies the data tensors ``fetch`` reads (a recorded round reads them)."""
-        data = self.data
-        return (id(data), data.inputs.data_ptr(), data.labels.data_ptr(), data.mean.data_ptr())
+    @executor.setter
+    def executor(self, executor: Executor) -> None:
+        self._executor = executor
+        self._executor_pinned = True
 
     def client_weights(self, clients: Tensor) -> Tensor:
         """Training-sample counts of ``clients`` normalized to sum to one."""
@@ -558,8 +450,9 @@ class FederatedMethod(LightningModule, ABC):
         self.val_metric.groups = self.test_metric.groups = self.client_groups()
 
     def on_fit_start(self) -> None:
+        if not self._executor_pinned:
+            self._executor = None  # chosen again for the trainer's device and world size
         self._place_state()
-        self.round_graphs = self._round_graphs()
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
         if self.trainer.is_global_zero and self.logger is not None and log_dir is not None:
             report_partition(self.data, log_dir, self.logger)
@@ -570,17 +463,6 @@ class FederatedMethod(LightningModule, ABC):
                 _log_hparams_table(self.logger, self.hparam_table())
             if self._validation_enabled():
                 self._record_validation(*self._evaluate_all("val"))
-
-    def _round_graphs(self) -> RoundGraphs | None:
-        wanted = self.hp.cuda_graphs
-        if wanted is None:
-            wanted = self.device.type == "cuda"
-        if not wanted:
-            return None
-        if self.device.type != "cuda":
-            rank_zero_warn("cuda_graphs: true needs a CUDA device; the rounds run eagerly.")
-            return None
-        return RoundGraphs(CudaGraphRecorder())
 
     def _validation_enabled(self) -> bool:
         return bool(self.data.val_dataloader()) and self.trainer.limit_val_batches != 0
@@ -685,11 +567,10 @@ class FederatedMethod(LightningModule, ABC):
         """:meth:`evaluate` for ``clients`` that share one network architecture: one vmap, or
         on a CPU the clients in worker threads where training uses the threaded loop.
         ``params``: their models (stacked), default :meth:`personalized_params`."""
-        world = self.trainer.world_size if self._trainer is not None else 1
         vectorize, threads = (
             (True, 1)
             if self.network_groups() is not None or self.device.type != "cpu"
-            else self.training_path(self.arch, world)
+            else self.executor.path(self.arch)
         )
         batched_predict = vmap(self.predict)
         by_size = self.data.by_size(clients, split)

@@ -47,7 +47,7 @@ class FedAvgFT(FedAvg):
         trainable = {n: t.clone() for n, t in params.items() if n not in state}
         batches = self.draw_batches(clients, round_idx, h.finetune_epochs, FINETUNE_PHASE)
         devices = [self.device] if self.device.type == "cuda" else []
-        vectorize, threads = self.training_path(self.arch)
+        vectorize, threads = self.executor.path(self.arch)
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             torch.manual_seed(derive_seed(h.seed, round_idx, DROPOUT_STREAM, FINETUNE_PHASE))
             result = train_clients(

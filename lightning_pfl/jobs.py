@@ -1,0 +1,292 @@
+"""Many runs, one job: the runs of one config that differ by seed or by a grid of values, trained
+together (the ``runs`` section of the CLI).
+
+Every run is an ordinary CLI run (its own run folder, config.yaml, checkpoints, results.json and
+TensorBoard events); the runs share their local training through :mod:`lightning_pfl.lockstep`
+(one vmap, one threaded loop, one recorded graph over every run's clients) and keep everything
+else (sampling, the server update, evaluation, logging) to themselves. The job ends with a
+summary over seeds per grid point (``job.json``, printed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import statistics
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_pfl.errors import ConfigError, RunInterrupted
+from lightning_pfl.lockstep import Lockstep, LockstepExecutor, get_rng
+
+if TYPE_CHECKING:
+    from lightning_pfl.methods.base import FederatedMethod
+
+SEED_KEYS = {
+    "both": ("model.init_args.seed", "data.init_args.seed"),
+    "training": ("model.init_args.seed",),
+    "split": ("data.init_args.seed",),
+}
+# Grid keys that change tensor shapes or the round's structure: runs differing by them could
+# never share a computation, so they belong in separate jobs.
+SHAPE_KEYS = (
+    "model.class_path",
+    "model.init_args.net",
+    "model.init_args.net_args",
+    "model.init_args.batch_size",
+    "model.init_args.clients_per_round",
+    "model.init_args.local_steps",
+    "model.init_args.local_epochs",
+    "model.init_args.novel_clients",
+    "data.",
+    "trainer.",
+)
+REPORTED = (
+    ("test_at_best_val", "acc"),
+    ("test_at_best_val", "acc_weighted"),
+    ("test_last", "acc"),
+    ("test_last", "acc_weighted"),
+    ("test_max_over_evals", "acc"),
+    ("test_last_evals", "acc_mean"),
+    ("test_last_evals", "acc_weighted_mean"),
+    ("seconds_per_round", None),
+)
+SUMMARY_FILE = "job.json"
+
+
+@dataclass
+class Runs:
+    """Several runs of this config trained together as one job (``lightning_pfl.jobs``).
+
+    Each run is the config with one seed and one point of the grid; it gets its own run folder
+    ``<logger name>/<run label>``. The job prints and writes (``<logger name>/job.json``) the
+    mean and standard deviation over seeds of every reported metric for each grid point, and
+    the best point by validation. Empty (the default): a single run.
+
+    Args:
+        seeds: the seeds to run (e.g. ``[0, 1, 2]``); None: the config's own seeds.
+        vary: which seeds ``seeds`` sets: ``both`` (the split's ``data.init_args.seed`` and the
+            training's ``model.init_args.seed``), ``training`` (same split, different
+            initialization, sampling and batches) or ``split`` (different splits, the same
+            training seed).
+        grid: config keys (dotted, as ``--print_config`` nests them) and the values to run,
+            e.g. ``{"model.init_args.local_lr": [0.01, 0.05]}``; every combination is a run.
+    """
+
+    seeds: list[int] | None = None
+    vary: Literal["both", "training", "split"] = "both"
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+
+    @property
+    def requested(self) -> bool:
+        return self.seeds is not None or bool(self.grid)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a job: its label, its grid point and seed, and the config values it sets."""
+
+    label: str
+    point: tuple[tuple[str, Any], ...]
+    seed: int | None
+    overrides: dict[str, Any]
+
+
+def _value_label(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in text)
+
+
+def expand(runs: Runs, config: dict[str, Any]) -> list[RunSpec]:
+    """The runs of ``runs`` over the flattened resolved ``config``; bad requests are refused
+    with one paragraph each (nothing has been written yet)."""
+    if runs.seeds is not None:
+        if not runs.seeds:
+            raise ConfigError("runs.seeds is empty: give at least one seed, or leave it unset.")
+        if len(set(runs.seeds)) != len(runs.seeds):
+            raise ConfigError(f"runs.seeds = {runs.seeds} repeats a seed: each run must differ.")
+    seed_keys = SEED_KEYS[runs.vary] if runs.seeds is not None else ()
+    for key, values in runs.grid.items():
+        if key not in config and not any(k.startswith(key + ".") for k in config):
+            near = [k for k in config if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            raise ConfigError(
+                f"runs.grid: unknown config key '{key}'{hint}; give keys as --print_config "
+                "nests them, e.g. model.init_args.local_lr."
+            )
+        if key in seed_keys:
+            raise ConfigError(
+                f"runs.grid sets '{key}', which runs.seeds (vary: {runs.vary}) sets already; "
+                "give the seeds in one place."
+            )
+        if any(key == s or key.startswith(s) for s in SHAPE_KEYS if s != "data.") or (
+            key.startswith("data.") and key not in SEED_KEYS["split"]
+        ):
+            raise ConfigError(
+                f"runs.grid over '{key}': runs that differ by it change tensor shapes, the data "
+                "or the round's structure and could not share a computation; run each value as "
+                "its own job (or its own config)."
+            )
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"runs.grid.{key} must be a non-empty list of values.")
+        labels = [json.dumps(v, sort_keys=True) for v in values]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"runs.grid.{key} = {values} repeats a value: each run must differ.")
+    keys = list(runs.grid)
+    specs = []
+    for combination in itertools.product(*(runs.grid[k] for k in keys)):
+        point = tuple(zip(keys, combination, strict=True))
+        for seed in runs.seeds if runs.seeds is not None else [None]:
+            overrides = dict(point)
+            if seed is not None:
+                overrides |= {k: seed for k in seed_keys}
+            parts = [f"{k.rsplit('.', 1)[-1]}_{_value_label(v)}" for k, v in point]
+            parts += [f"seed_{seed}"] if seed is not None else []
+            specs.append(RunSpec("-".join(parts), point, seed, overrides))
+    return specs
+
+
+class JobMember(Callback):
+    """Joins a run to its job: installs the shared executor and passes the job's stop signal
+    to the run's checkpoint callback (signals reach only the job's main thread)."""
+
+    def __init__(self, job: Job, index: int) -> None:
+        self.job, self.index = job, index
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        method: FederatedMethod = pl_module  # type: ignore[assignment]
+        method.executor = LockstepExecutor(self.job.lockstep, self.index, method.executor)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        checkpoint = trainer.checkpoint_callback
+        if self.job.signal is not None and getattr(checkpoint, "_signal", 0) is None:
+            checkpoint._signal = self.job.signal  # type: ignore[union-attr]
+
+
+@dataclass
+class Job:
+    """The runs of one command: built and checked first, then trained in lockstep."""
+
+    specs: list[RunSpec]
+    save_dir: Path
+    name: str
+    select_metric: str
+    lockstep: Lockstep = field(init=False)
+    members: list[Any] = field(init=False)  # each run's CLI
+    signal: int | None = None
+
+    @property
+    def folder(self) -> Path:
+        """The job's folder: the runs' folders and ``job.json``."""
+        return self.save_dir / self.name
+
+    def run(self, build: Callable[[int, RunSpec, Callback], Any]) -> dict[str, Any]:
+        """``build(index, spec, member_callback)`` returns a CLI ready to ``fit``."""
+        clis, rng_states = [], []
+        for index, spec in enumerate(self.specs):
+            clis.append(build(index, spec, JobMember(self, index)))
+            rng_states.append(get_rng())
+        self.members = clis
+        self.lockstep = Lockstep(len(clis), rng_states)
+        labels = ", ".join(s.label for s in self.specs)
+        rank_zero_info(f"job: {len(clis)} runs of one config trained together ({labels})")
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            outcomes = self.lockstep.run([cli.fit_now for cli in clis])
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if self.lockstep.apart_reasons:
+            rank_zero_info(
+                "job: some runs trained apart because "
+                + "; ".join(sorted(self.lockstep.apart_reasons))
+            )
+        failures = [(s, o) for s, o in zip(self.specs, outcomes, strict=True) if o is not None]
+        interrupted = [o for _, o in failures if isinstance(o, RunInterrupted)]
+        if interrupted:
+            raise RunInterrupted(
+                f"{len(interrupted)} of {len(self.specs)} runs stopped and saved last.ckpt; "
+                "resume the job with the same command and --ckpt_path last.",
+                interrupted[0].exit_code - 128,
+            )
+        summary = summarize(self.specs, [cli.results_path for cli in clis], self.select_metric)
+        summary["failed"] = {s.label: f"{type(o).__name__}: {o}" for s, o in failures}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
+        print(format_summary(summary, self.folder / SUMMARY_FILE))
+        if failures:
+            raise failures[0][1]
+        return summary
+
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.signal = signum
+
+
+def _read(results: dict[str, Any], section: str, key: str | None) -> float | None:
+    value = results.get(section)
+    if key is not None:
+        value = value.get(key) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def summarize(
+    specs: Sequence[RunSpec], results_paths: Sequence[Path | None], select_metric: str
+) -> dict[str, Any]:
+    """Mean and population std over seeds of every reported metric per grid point, and the
+    best point by the mean validation ``select_metric`` at the best round."""
+    points: dict[tuple[tuple[str, Any], ...], list[dict[str, Any]]] = {}
+    for spec, path in zip(specs, results_paths, strict=True):
+        if path is None or not path.exists():
+            continue
+        points.setdefault(spec.point, []).append(json.loads(path.read_text()))
+    rows = []
+    for point, results in points.items():
+        row: dict[str, Any] = {"point": dict(point), "runs": len(results)}
+        for section, key in REPORTED + (("val_at_best", select_metric),):
+            values = [v for r in results if (v := _read(r, section, key)) is not None]
+            if values:
+                name = f"{section}.{key}" if key else section
+                row[name] = {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
+        rows.append(row)
+    selector = f"val_at_best.{select_metric}"
+    scored = [r for r in rows if selector in r]
+    best = max(scored, key=lambda r: r[selector]["mean"]) if scored else None
+    return {
+        "runs": [s.label for s in specs],
+        "select_metric": selector,
+        "points": rows,
+        "best_point": best["point"] if best else None,
+    }
+
+
+def format_summary(summary: dict[str, Any], path: Path) -> str:
+    columns = [
+        ("test_at_best_val.acc", "test@best acc"),
+        ("test_at_best_val.acc_weighted", "pooled"),
+        ("test_last.acc", "test@last acc"),
+        ("test_last.acc_weighted", "pooled"),
+    ]
+    lines = [f"job summary ({path}): mean +- std over seeds, accuracy in %"]
+    lines.append(" | ".join(["grid point", "runs"] + [title for _, title in columns]))
+    for row in summary["points"]:
+        point = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in row["point"].items())
+        cells = [point or "(config)", str(row["runs"])]
+        for name, _ in columns:
+            stat = row.get(name)
+            cells.append(f"{100 * stat['mean']:.2f} +- {100 * stat['std']:.2f}" if stat else "-")
+        lines.append(" | ".join(cells))
+    if summary["best_point"] is not None:
+        lines.append(f"best by {summary['select_metric']}: {summary['best_point'] or '(config)'}")
+    return "\n".join(lines)

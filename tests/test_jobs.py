@@ -1,0 +1,275 @@
+"""Many runs, one job: runs trained together compute what they compute alone."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import lightning_pfl.methods as methods
+import lightning_pfl.partition as partitions
+from lightning_pfl.cli import run
+from lightning_pfl.engine import Architecture, cross_entropy_loss, derive_seed
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.jobs import Runs, expand
+from lightning_pfl.lockstep import Lockstep, LockstepExecutor, Opaque, get_rng, signature
+from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods.base import DROPOUT_STREAM
+from lightning_pfl.methods.fedprox import proximal_loss
+from lightning_pfl.models import build_network
+from tests.conftest import build, digits_data
+from tests.helpers import CONF
+
+FEDAVG = CONF / "fedavg.yaml"
+CONFIG = {
+    "model.init_args.seed": 0,
+    "model.init_args.local_lr": 0.05,
+    "model.init_args.net_args": None,
+    "data.init_args.seed": 0,
+    "data.init_args.num_clients": 4,
+    "trainer.max_steps": 4,
+}
+
+
+# ----------------------------------------------------------------- the runs of a request
+def test_seeds_and_grid_expand_to_every_combination_with_its_values() -> None:
+    specs = expand(Runs(seeds=[0, 1], grid={"model.init_args.local_lr": [0.01, 0.05]}), CONFIG)
+    assert [s.label for s in specs] == [
+        "local_lr_0.01-seed_0",
+        "local_lr_0.01-seed_1",
+        "local_lr_0.05-seed_0",
+        "local_lr_0.05-seed_1",
+    ]
+    assert specs[1].overrides == {
+        "model.init_args.local_lr": 0.01,
+        "model.init_args.seed": 1,
+        "data.init_args.seed": 1,
+    }
+    assert specs[2].point == (("model.init_args.local_lr", 0.05),)
+    training = expand(Runs(seeds=[3], vary="training"), CONFIG)[0].overrides
+    split = expand(Runs(seeds=[3], vary="split"), CONFIG)[0].overrides
+    assert training == {"model.init_args.seed": 3} and split == {"data.init_args.seed": 3}
+
+
+@pytest.mark.parametrize(
+    ("runs", "message"),
+    [
+        (Runs(seeds=[]), "runs.seeds is empty"),
+        (Runs(seeds=[0, 0]), "repeats a seed"),
+        (Runs(grid={"model.init_args.local_rate": [0.1]}), "unknown config key"),
+        (Runs(grid={"local_lr": [0.1]}), "did you mean model.init_args.local_lr"),
+        (Runs(grid={"model.init_args.local_lr": []}), "non-empty list"),
+        (Runs(grid={"model.init_args.local_lr": [0.1, 0.1]}), "repeats a value"),
+        (Runs(grid={"model.init_args.net_args": [None, {"width": 8}]}), "change tensor shapes"),
+        (Runs(grid={"data.init_args.num_clients": [4, 8]}), "change tensor shapes"),
+        (Runs(grid={"trainer.max_steps": [4, 8]}), "its own job"),
+        (Runs(seeds=[0, 1], grid={"model.init_args.seed": [2, 3]}), "give the seeds in one"),
+    ],
+)
+def test_bad_requests_are_refused_with_one_paragraph(runs: Runs, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        expand(runs, CONFIG)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--runs.seeds=[]"], "runs.seeds is empty"),
+        (['--runs.grid={"model.init_args.nope": [1, 2]}'], "unknown config key"),
+        (["--runs.seeds=[0, 1]", "--trainer.devices=2"], "trainer.devices 1"),
+    ],
+)
+def test_bad_jobs_fail_before_anything_is_written(
+    tmp_path: Path, extra: list[str], message: str
+) -> None:
+    args = ["fit", f"--config={FEDAVG}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=message):
+        run([*args, *extra])
+    assert not any(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------- what may share a computation
+def test_losses_compare_by_code_and_constants() -> None:
+    def arch() -> Architecture:
+        return Architecture(build_network("digits_cnn", (1, 8, 8), 10))
+
+    assert signature(cross_entropy_loss(arch())) == signature(cross_entropy_loss(arch()))
+    names = ("a",)
+    same = [proximal_loss(cross_entropy_loss(arch()), 0.1, names) for _ in range(2)]
+    assert signature(same[0]) == signature(same[1])
+    other_mu = proximal_loss(cross_entropy_loss(arch()), 0.2, names)
+    assert signature(other_mu) != signature(same[0])
+    wider = Architecture(build_network("digits_cnn", (1, 8, 8), 10, width=8))
+    assert signature(cross_entropy_loss(wider)) != signature(cross_entropy_loss(arch()))
+    captured = torch.ones(2)
+    with pytest.raises(Opaque, match="Tensor"):
+        signature(lambda p: p * captured)
+
+
+# ----------------------------------------------------------------- every method, alone == together
+@dataclass
+class Case:
+    """A method as its tests/conf file configures it, on digits."""
+
+    id: str
+    cls: type[FederatedMethod]
+    kwargs: dict[str, Any]
+    num_clients: int
+    data: dict[str, Any] = field(default_factory=dict)
+    rounds: int = 2
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for path in sorted(CONF.glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        data = dict(config["data"]["init_args"])
+        kwargs = dict(config["model"].get("init_args") or {})
+        if data.pop("dataset") != "digits" or "class_path" in json.dumps(kwargs):
+            continue  # other datasets and nested classes: test_cli runs them
+        partition = data.pop("partition")
+        data["partition"] = getattr(partitions, partition["class_path"])(
+            **partition.get("init_args", {})
+        )
+        cls = getattr(methods, config["model"]["class_path"])
+        cases.append(Case(path.stem, cls, kwargs, data.pop("num_clients"), data))
+    return cases
+
+
+CASES = _cases()
+
+
+def _train(methods: list[FederatedMethod], rounds: int, together: bool) -> Lockstep | None:
+    """``rounds`` rounds of every method as a Trainer would run them, one method after another
+    or as the runs of one job."""
+
+    def rounds_of(method: FederatedMethod) -> Callable[[], None]:
+        def body() -> None:
+            optimizer = method.configure_optimizers()
+            for round_idx in range(rounds):
+                optimizer.zero_grad()
+                with torch.random.fork_rng(devices=[]):  # dropout, as training_step seeds it
+                    torch.manual_seed(derive_seed(method.hp.seed, round_idx, DROPOUT_STREAM))
+                    method.run_round(round_idx, method.sample_clients(round_idx))
+                optimizer.step()
+
+        return body
+
+    if not together:
+        for method in methods:
+            rounds_of(method)()
+        return None
+    lockstep = Lockstep(len(methods), [get_rng() for _ in methods])
+    for index, method in enumerate(methods):
+        method.executor = LockstepExecutor(lockstep, index, method.executor)
+    outcomes = lockstep.run([rounds_of(m) for m in methods])
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return lockstep
+
+
+def _runs(case: Case, path: dict[str, Any], datas: list[Any]) -> list[FederatedMethod]:
+    return [
+        build(case.cls, data, **{**case.kwargs, "seed": seed, **path})
+        for seed, data in enumerate(datas)
+    ]
+
+
+def _state(method: FederatedMethod) -> dict[str, torch.Tensor]:
+    state = {f"module.{n}": t for n, t in method.state_dict().items()}
+    for field_name, tensors in method.store.state_dict().items():
+        state |= {f"store.{field_name}.{n}": t for n, t in tensors.items()}
+    return state
+
+
+ONE_BY_ONE = {"vectorize": False, "client_threads": 1}
+# vmap trains both runs' clients in one batch: checked on a method of each kind (the one-by-one
+# table below checks every method's plumbing bit for bit)
+VMAP_CASES = {"fedavg", "ditto", "pfedhn", "fedsimsup", "mh_pfedhn", "fedrep"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_a_job_trains_every_method_as_its_runs_alone(case: Case) -> None:
+    """Two seeds (split and training) of every method: one by one, the runs of a job end bit
+    for bit where the runs alone do; on vmap (both runs' clients in one batch) up to float
+    rounding. Where the method's jobs can share a computation, they did."""
+    datas = [digits_data(case.num_clients, seed=seed, **case.data) for seed in (0, 1)]
+    paths = [(ONE_BY_ONE, True)] + ([({"vectorize": True}, False)] if case.id in VMAP_CASES else [])
+    for path, exact in paths:
+        alone, together = _runs(case, path, datas), _runs(case, path, datas)
+        _train(alone, case.rounds, together=False)
+        lockstep = _train(together, case.rounds, together=True)
+        assert lockstep is not None
+        for a, b in zip(alone, together, strict=True):
+            sa, sb = _state(a), _state(b)
+            assert sa.keys() == sb.keys()
+            for name, tensor in sa.items():
+                if exact:
+                    assert torch.equal(sb[name], tensor), f"{path}: {name}"
+                else:
+                    torch.testing.assert_close(sb[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        if not lockstep.apart_reasons:  # else the job trains them one after another
+            assert lockstep.groups_trained < lockstep.submissions
+
+
+# ----------------------------------------------------------------- the CLI
+def _results(path: Path) -> dict[str, Any]:
+    results = json.loads(path.read_text())
+    for key in ("seconds_per_round", "config"):
+        results.pop(key)
+    return results
+
+
+def _partition(folder: Path) -> Any:
+    return json.loads((folder / "partition.json").read_text())
+
+
+def test_a_job_writes_each_runs_folder_as_alone_and_a_summary(tmp_path: Path) -> None:
+    common = [
+        "fit",
+        f"--config={FEDAVG}",
+        "--model.init_args.vectorize=false",
+        "--model.init_args.client_threads=1",
+        "--trainer.enable_progress_bar=false",
+    ]
+    job = run(
+        [
+            *common,
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'job'}",
+            "--runs.seeds=[0, 1]",
+            '--runs.grid={"model.init_args.local_lr": [0.01, 0.1]}',
+        ]
+    ).job
+    assert job is not None and job.lockstep.groups_trained < job.lockstep.submissions
+    folder = tmp_path / "job" / "conf" / "fedavg"
+    summary = json.loads((folder / "job.json").read_text())
+    assert summary["runs"] == [s.label for s in job.specs]
+    assert [p["runs"] for p in summary["points"]] == [2, 2]
+    assert summary["best_point"] in [p["point"] for p in summary["points"]]
+    for spec in job.specs:
+        seed = spec.overrides["model.init_args.seed"]
+        lr = spec.overrides["model.init_args.local_lr"]
+        alone = run(
+            [
+                *common,
+                f"--trainer.logger.init_args.save_dir={tmp_path / spec.label}",
+                f"--model.init_args.seed={seed}",
+                f"--data.init_args.seed={seed}",
+                f"--model.init_args.local_lr={lr}",
+            ]
+        )
+        alone_dir = Path(str(alone.trainer.log_dir))
+        together = folder / spec.label / "version_0"
+        assert _results(together / "results.json") == _results(alone_dir / "results.json")
+        config = (together / "config.yaml").read_text()
+        assert f"local_lr: {lr}" in config and f"seed: {seed}" in config
+        assert _partition(together) == _partition(alone_dir)
+    seeds = [folder / f"local_lr_0.01-seed_{s}" / "version_0" for s in (0, 1)]
+    assert _partition(seeds[0]) != _partition(seeds[1])
