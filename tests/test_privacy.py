@@ -24,7 +24,13 @@ from lightning_pfl.privacy import (
     private_uploads,
 )
 from tests.conftest import build, digits_data, fit
-from tests.helpers import CONF, assert_resume_is_exact, capture_local_training, run_dir
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_vectorized_equals_sequential,
+    capture_local_training,
+    run_dir,
+)
 from tests.test_bad_inputs import run_cli
 
 NO_DP = ClientDP(noise_multiplier=0.0, clip_norm=math.inf)
@@ -230,3 +236,7 @@ def test_methods_without_a_dp_round_and_unprivatizable_settings_are_refused() ->
         build(FedAvg, dm, net_args={"batch_norm": True}, client_dp=ClientDP())
     with pytest.raises(ConfigError, match="sampling"):
         ClientDP(accountant="pld", sampling="fixed_size")
+
+
+def test_dp_rounds_vectorized_equal_client_by_client() -> None:
+    assert_vectorized_equals_sequential(FedPer, client_dp=ClientDP(1.0, 0.5))
