@@ -64,7 +64,8 @@ class GradientInversion(Callback):
         batch_size: the victim's batch size (DLG/iDLG's experiments: 1).
         optimizer: ``lbfgs`` (the papers', learning rate 1) or ``adam``.
         lr: the optimizer's learning rate.
-        iterations: optimizer steps (the DLG paper: 300 L-BFGS iterations).
+        iterations: optimizer steps (DLG's: 300 L-BFGS steps, each up to 20 iterations with
+            its line search off, PyTorch's defaults).
         seed: seed of the victim's batch and of the dummy's initialization.
         ssim_kernel: SSIM's Gaussian window size (odd); made smaller, and odd, for images
             smaller than it (8x8 digits: 7).
@@ -112,6 +113,11 @@ class GradientInversion(Callback):
             raise ConfigError(
                 f"GradientInversion: client = {self.client} is not a training client "
                 f"(0..{method.num_training_clients - 1})."
+            )
+        if method.client_dp is not None and getattr(method, "payload", None) is None:
+            raise ConfigError(
+                f"GradientInversion: {type(method).__name__}'s client_dp noise is not on the "
+                "upload the attack inverts (docs/privacy.md); run the attack without client_dp."
             )
         if self.attack == "idlg" and not set(method.arch.head_names) <= self.observed(method):
             raise ConfigError(
@@ -246,7 +252,7 @@ class GradientInversion(Callback):
     def optimize(self, variables: list[Tensor], matching_loss: Any) -> float:
         """Minimize the gradient-matching loss over ``variables``; the final loss."""
         if self.optimizer == "lbfgs":
-            lbfgs = torch.optim.LBFGS(variables, lr=self.lr, max_iter=self.iterations)
+            lbfgs = torch.optim.LBFGS(variables, lr=self.lr)
 
             def closure() -> Tensor:
                 lbfgs.zero_grad()
@@ -254,7 +260,8 @@ class GradientInversion(Callback):
                 loss.backward()
                 return loss
 
-            lbfgs.step(closure)
+            for _ in range(self.iterations):  # DLG's loop: each step up to 20 L-BFGS iterations
+                lbfgs.step(closure)
         else:
             adam = torch.optim.Adam(variables, lr=self.lr)
             for _ in range(self.iterations):
