@@ -250,7 +250,10 @@ class GradientInversion(Callback):
         return [(clipped[n] + noise[n])[0] / -lr for n in names]
 
     def optimize(self, variables: list[Tensor], matching_loss: Any) -> float:
-        """Minimize the gradient-matching loss over ``variables``; the final loss."""
+        """Minimize the gradient-matching loss over ``variables``, which end at the iterate
+        with the lowest loss (L-BFGS without a line search can leave a good point for a worse
+        one, and the attacker can evaluate the loss); returns that loss."""
+        best = (float(matching_loss().detach()), [v.detach().clone() for v in variables])
         if self.optimizer == "lbfgs":
             lbfgs = torch.optim.LBFGS(variables, lr=self.lr)
 
@@ -260,15 +263,25 @@ class GradientInversion(Callback):
                 loss.backward()
                 return loss
 
-            for _ in range(self.iterations):  # DLG's loop: each step up to 20 L-BFGS iterations
+            def step() -> None:  # DLG's loop: each step up to 20 L-BFGS iterations
                 lbfgs.step(closure)
         else:
             adam = torch.optim.Adam(variables, lr=self.lr)
-            for _ in range(self.iterations):
+
+            def step() -> None:
                 adam.zero_grad()
                 matching_loss().backward()
                 adam.step()
-        return float(matching_loss().detach())
+
+        for _ in range(self.iterations):
+            step()
+            loss = float(matching_loss().detach())
+            if loss < best[0]:  # False for NaN
+                best = (loss, [v.detach().clone() for v in variables])
+        with torch.no_grad():
+            for v, kept in zip(variables, best[1], strict=True):
+                v.copy_(kept)
+        return best[0]
 
     @staticmethod
     def pixels(data: Any, x: Tensor) -> Tensor:
