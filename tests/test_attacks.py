@@ -8,7 +8,7 @@ import pytest
 
 from lightning_pfl.attacks import GradientInversion
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedAvg, FedPer
+from lightning_pfl.methods import FedAvg, FedPer, PFedHN
 from lightning_pfl.partition import IID
 from lightning_pfl.privacy import ClientDP
 from tests.conftest import build, digits_data
@@ -68,3 +68,6 @@ def test_bad_attack_settings_are_refused() -> None:
     method = build(FedPer, dm, net="mlp")  # keeps the classifier: no label to read
     with pytest.raises(ConfigError, match="dlg"):
         GradientInversion().setup(None, method, "fit")  # type: ignore[arg-type]
+    private_hn = build(PFedHN, dm, n_hidden=1, hidden_dim=8, client_dp=ClientDP())
+    with pytest.raises(ConfigError, match="not on the upload"):  # its noise is on the HN
+        GradientInversion().setup(None, private_hn, "fit")  # type: ignore[arg-type]
