@@ -245,7 +245,9 @@ class GradientInversion(Callback):
         lr = method.hp.local_lr
         update = {n: -lr * g.unsqueeze(0) for n, g in zip(names, grads, strict=True)}
         clipped = clip_updates(update, dp.clip_norm)
-        generator = torch.Generator(x.device).manual_seed(derive_seed(self.seed, ATTACK_STREAM, 2))
+        generator = torch.Generator(x.device).manual_seed(
+            derive_seed(self.seed, ATTACK_STREAM, 2, self.client)
+        )
         noise = gaussian_noise(clipped, dp.noise_multiplier * dp.clip_norm, generator)
         return [(clipped[n] + noise[n])[0] / -lr for n in names]
 
