@@ -17,6 +17,10 @@ Settings (``--setting``), each a folder of configs, one per method:
   non-IID_1 (2 classes per client) and non-IID_2 (Dirichlet(0.01), at least 40 samples each).
 - ``digits_100clients``: ``configs/digits_100clients/*.yaml``, the same protocol on digits with
   100 clients (no download).
+- ``privacy_digits``: ``configs/privacy/digits/*.yaml``, FedAvg, FedPer and pFedHN with
+  client-level DP at two noise multipliers in the digits setting (docs/privacy.md); rows carry
+  the run's ``privacy`` record (epsilon at delta). ``fashion_mnist_privacy`` (and ``_reduced``,
+  100 rounds): the same on FashionMNIST, ``configs/privacy/fashion_mnist*/``.
 - ``fashion_mnist_pfedhn_table1``: ``configs/fashion_mnist_pfedhn_table1/*.yaml``, pFedHN's
   Table 1 protocol in full (50 clients, 2 classes each, 5,000 rounds of one client) on
   FashionMNIST for pFedHN, Local and FedAvg (fact entries in ``configs/papers/pfedhn.yaml``).
@@ -130,6 +134,9 @@ SETTINGS: dict[str, tuple[str, dict[str, list[str]]]] = {
             ],
         },
     ),
+    "privacy_digits": ("privacy/digits", {"pathological": []}),
+    "fashion_mnist_privacy": ("privacy/fashion_mnist", {"pathological": []}),
+    "fashion_mnist_privacy_reduced": ("privacy/fashion_mnist_reduced", {"pathological": []}),
     "fashion_mnist_dirichlet": (
         "fashion_mnist",
         {
@@ -260,6 +267,7 @@ def summarize(
         "test_acc_weighted_majority_class": result["majority_class"]["acc_weighted"],
         **result["stability"],
         **({"novel_clients": result["novel_clients"]} if "novel_clients" in result else {}),
+        **({"privacy": result["privacy"]} if "privacy" in result else {}),
     }
 
 

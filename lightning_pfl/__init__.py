@@ -1,6 +1,6 @@
 """lightning-pfl: personalized federated learning on PyTorch Lightning."""
 
-from lightning_pfl.callbacks import NovelClients, RoundCheckpoint
+from lightning_pfl.callbacks import GradientInversion, NovelClients, RoundCheckpoint
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.methods import (
     FedAvg,
@@ -23,6 +23,7 @@ __all__ = [
     "FederatedDataModule",
     "FederatedMethod",
     "FedSimSup",
+    "GradientInversion",
     "Local",
     "NovelClients",
     "PFedHN",

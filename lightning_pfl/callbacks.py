@@ -1,5 +1,6 @@
 """Checkpoints that survive crashes: periodic, timed, atomic, and on SIGINT/SIGTERM; the
-novel-client protocol (:class:`~lightning_pfl.novel.NovelClients`, re-exported here)."""
+novel-client protocol (:class:`~lightning_pfl.novel.NovelClients`) and the gradient-inversion
+attack (:class:`~lightning_pfl.attacks.GradientInversion`), re-exported here."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Any
 from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_pfl.attacks import GradientInversion
 from lightning_pfl.errors import ConfigError, NonFiniteLossError, RunInterrupted
 from lightning_pfl.novel import NovelClients
 from lightning_pfl.validation import NonNegativeInt, PositiveFloat
 
-__all__ = ["NovelClients", "RoundCheckpoint"]
+__all__ = ["GradientInversion", "NovelClients", "RoundCheckpoint"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +30,7 @@ from lightning_pfl.models import build_network
 from tests.conftest import build, digits_data
 from tests.helpers import CONF
 
+ROOT = Path(__file__).parents[1]
 FEDAVG = CONF / "fedavg.yaml"
 CONFIG = {
     "model.init_args.seed": 0,
@@ -273,3 +278,43 @@ def test_a_job_writes_each_runs_folder_as_alone_and_a_summary(tmp_path: Path) ->
         assert _partition(together) == _partition(alone_dir)
     seeds = [folder / f"local_lr_0.01-seed_{s}" / "version_0" for s in (0, 1)]
     assert _partition(seeds[0]) != _partition(seeds[1])
+
+
+JOB = [
+    "fit",
+    f"--config={FEDAVG}",
+    "--trainer.max_steps=40",
+    "--trainer.val_check_interval=5",
+    "--checkpoint.every_n_rounds=3",
+    "--model.init_args.local_steps=6",
+    "--model.init_args.vectorize=false",
+    "--model.init_args.client_threads=1",
+    "--runs.seeds=[0, 1]",
+]
+
+
+def _job_results(save_dir: Path) -> dict[str, Any]:
+    folder = save_dir / "conf" / "fedavg"
+    return {s: _results(folder / s / "version_0" / "results.json") for s in ("seed_0", "seed_1")}
+
+
+def test_an_interrupted_job_resumes_to_the_results_of_an_uninterrupted_one(tmp_path: Path) -> None:
+    run([*JOB, f"--trainer.logger.init_args.save_dir={tmp_path / 'straight'}"])
+    command = [sys.executable, str(ROOT / "cli.py"), *JOB]
+    command.append(f"--trainer.logger.init_args.save_dir={tmp_path / 'stopped'}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    validated = 0
+    for line in process.stderr:  # both runs validated round 15
+        validated += line.startswith("round 15/")
+        if validated == 2:
+            break
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "2 of 2 runs stopped" in err and "--ckpt_path last" in err
+    stopped = tmp_path / "stopped" / "conf" / "fedavg"
+    assert not (stopped / "job.json").exists()
+    run([*JOB, f"--trainer.logger.init_args.save_dir={tmp_path / 'stopped'}", "--ckpt_path=last"])
+    assert _job_results(tmp_path / "stopped") == _job_results(tmp_path / "straight")

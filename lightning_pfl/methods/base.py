@@ -44,6 +44,7 @@ from lightning_pfl.execution import (
 )
 from lightning_pfl.metrics import ACCURACIES, ClientAccuracy, over_evaluations
 from lightning_pfl.models import build_network
+from lightning_pfl.privacy import EPSILON_KEY, NOISE_STREAM, ClientDP, PrivacyAccountant
 from lightning_pfl.reporting import per_client_figure, report_partition
 from lightning_pfl.validation import (
     Momentum,
@@ -143,6 +144,11 @@ class FederatedMethod(LightningModule, ABC):
         novel_clients: the last this many client ids are held out of training (never sampled)
             and of the validation and test metrics, for the novel-client generalization
             protocol (pFedHN section 5.3, :class:`~lightning_pfl.novel.NovelClients`).
+        client_dp: client-level differential privacy of the uploaded updates (DP-FedAvg:
+            clip to ``clip_norm``, Gaussian noise with ``noise_multiplier``; epsilon at
+            ``delta`` logged every round as ``privacy/epsilon`` and in ``results.json``,
+            :class:`~lightning_pfl.privacy.ClientDP`, docs/privacy.md). None: off. A method
+            whose round does not privatize its uploads refuses it.
     """
 
     def __init__(
@@ -170,6 +176,7 @@ class FederatedMethod(LightningModule, ABC):
         offload_client_state: bool = False,
         seed: Seed = 0,
         novel_clients: NonNegativeInt = 0,
+        client_dp: ClientDP | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -223,6 +230,15 @@ class FederatedMethod(LightningModule, ABC):
         self.server_optimizer: torch.optim.Optimizer | None = None  # set by configure_optimizers
         self._executor: Executor | None = None
         self._executor_pinned = False
+        # The object itself: under the CLI, hparams hold the config's dict instead.
+        self.client_dp = client_dp
+        self.privacy: PrivacyAccountant | None = None
+        self.privatized = ""  # what the DP round privatizes (the method's own words)
+        if client_dp is not None:
+            self.privatized = client_dp.check(self)
+            self.privacy = PrivacyAccountant(
+                client_dp, self.num_training_clients, clients_per_round
+            )
 
     # ----------------------------------------------------------------- hooks for methods
     @abstractmethod
@@ -420,6 +436,18 @@ class FederatedMethod(LightningModule, ABC):
     def executor(self, executor: Executor) -> None:
         self._executor = executor
         self._executor_pinned = True
+
+    def client_dp_generator(self, round_idx: int) -> torch.Generator:
+        """The seeded generator of round ``round_idx``'s DP noise (``client_dp``); records the
+        privacy spent once the round is done (``results.json``'s ``privacy``) and logs its
+        epsilon (``privacy/epsilon``, at the step the round's other scalars use)."""
+        assert self.privacy is not None, "client_dp is not set"
+        spent = self.privacy.summary(round_idx + 1, self.privatized)
+        self.extra_results["privacy"] = spent
+        for logger in self.loggers if self._trainer is not None else []:
+            logger.log_metrics({EPSILON_KEY: spent["epsilon"]}, step=round_idx + 1)
+        seed = derive_seed(self.hp.seed, round_idx, NOISE_STREAM)
+        return torch.Generator(self.device).manual_seed(seed)
 
     def client_weights(self, clients: Tensor) -> Tensor:
         """Training-sample counts of ``clients`` normalized to sum to one."""

@@ -16,6 +16,7 @@ from lightning_pfl.engine import (
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
 from lightning_pfl.models import build_network
+from lightning_pfl.privacy import private_uploads, privatizes
 from lightning_pfl.validation import Momentum, PositiveFloat
 
 
@@ -60,6 +61,13 @@ class FedAvg(FederatedMethod):
         personal = self.personal_names()
         if personal:
             self.store.add_field("personal", {n: initial[n] for n in personal})
+        shared_buffers = set(self.arch.buffer_shapes) - set(personal)
+        if self.client_dp is not None and shared_buffers:
+            raise ConfigError(
+                f"model.init_args.client_dp: {type(self).__name__} would upload the batch-norm "
+                f"statistics {sorted(shared_buffers)}, whose noisy mean can be a negative "
+                "variance; use a network without batch norm, or FedBN (keeps them local)."
+            )
 
     # ----------------------------------------------------------------- hooks for subclasses
     def personal_names(self) -> tuple[str, ...]:
@@ -88,13 +96,23 @@ class FedAvg(FederatedMethod):
             if n not in personal
         }
 
+    @privatizes("the update of every shared tensor (the whole upload), clipped as one vector")
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         sent = self.payload(clients)
         result = self.train_with_personal(
             round_idx, clients, {n: t.clone() for n, t in sent.items()}
         )
         uploaded = {n: result.params[n] for n in sent}
-        self.aggregate(uploaded, self.client_weights(clients))
+        dp = self.client_dp
+        if dp is None:
+            self.aggregate(uploaded, self.client_weights(clients))
+        else:
+            # DP-FedAvg's fixed denominator qN with w_k = 1: exactly clients_per_round here.
+            generator = self.client_dp_generator(round_idx)
+            uniform = torch.full(
+                (len(clients),), 1.0 / self.hp.clients_per_round, dtype=torch.float64
+            )
+            self.aggregate(private_uploads(sent, uploaded, dp, generator), uniform)
         self.record_communication(down=sent, up=uploaded)
         return result.loss
 

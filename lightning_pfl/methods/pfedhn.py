@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.engine import Architecture, Params
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import (
@@ -18,6 +19,7 @@ from lightning_pfl.models.hypernetwork import (
     HeadInit,
     set_delta_gradients,
 )
+from lightning_pfl.privacy import private_sum, privatizes
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -99,6 +101,12 @@ class PFedHN(FederatedMethod):
     ) -> None:
         super().__init__(**kwargs)
         self.refuse_batch_norm(f"{type(self).__name__} generates whole models")
+        if self.client_dp is not None and hn_update != "mean":
+            raise ConfigError(
+                f"model.init_args.client_dp: {type(self).__name__} privatizes the mean update "
+                f"of the hypernetwork; hn_update = '{hn_update}' steps once per client; use "
+                "hn_update: mean."
+            )
         with self.seeded_init():
             self.hnet = self.build_hypernetwork()
 
@@ -141,12 +149,20 @@ class PFedHN(FederatedMethod):
             groups, lr=h.hn_lr, momentum=h.hn_momentum, weight_decay=h.hn_weight_decay
         )
 
+    @privatizes(
+        "each client's contribution J_i^T delta_i to the gradient of the shared hypernetwork "
+        "(every parameter but the embeddings), clipped as one vector; the embedding v_i is "
+        "client i's personal parameter and is updated from its unclipped delta"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         generated = self.hnet(clients)
         start = {n: t.detach() for n, t in generated.items()}
         result = self.local_train({n: t.clone() for n, t in start.items()}, clients, round_idx)
         delta = {n: start[n] - result.params[n] for n in start}
-        self.update_hypernetwork(generated, delta)
+        if self.client_dp is not None:
+            self.set_private_gradients(generated, delta, self.client_dp_generator(round_idx))
+        else:
+            self.update_hypernetwork(generated, delta)
         self.record_communication(down=start, up=delta)
         return result.loss
 
@@ -197,6 +213,40 @@ class PFedHN(FederatedMethod):
             self.hp.hn_max_grad_norm,
             retain_graph=rows is not None,
         )
+
+    def set_private_gradients(
+        self, generated: Params, delta: Params, generator: torch.Generator
+    ) -> None:
+        """DP-FedAvg on the shared hypernetwork phi: grad(phi) = (sum_i clip(J_i^T delta_i) +
+        N(0, z^2 S^2 I)) / qN, the per-client J_i^T delta_i in one batched backward (batch b of
+        the output gradients holds delta_b in row b only); grad(v) as without DP. Each part is
+        then clipped to ``hn_max_grad_norm`` on its own, so that phi's step does not depend on
+        the embeddings' unclipped gradients."""
+        dp = self.client_dp
+        assert dp is not None, "client_dp is not set"
+        body = [p for p in self.hnet.body_parameters() if p.requires_grad]
+        embeddings = [p for p in self.hnet.embedding_parameters() if p.requires_grad]
+        outputs = list(generated.values())
+        count = len(outputs[0])
+        rows = torch.eye(count, device=outputs[0].device)
+        batched = [
+            rows.view(count, count, *([1] * (d.dim() - 1))) * d.to(g.dtype).unsqueeze(0)
+            for g, d in zip(outputs, delta.values(), strict=True)
+        ]
+        per_client = torch.autograd.grad(
+            outputs, body, batched, retain_graph=True, allow_unused=True, is_grads_batched=True
+        )
+        used = {str(i): g for i, g in enumerate(per_client) if g is not None}
+        noisy = private_sum(used, dp, generator)
+        for i, p in enumerate(body):
+            p.grad = noisy[str(i)] / self.hp.clients_per_round if str(i) in noisy else None
+        mean = [d.to(g.dtype) / count for g, d in zip(outputs, delta.values(), strict=True)]
+        grads = torch.autograd.grad(outputs, embeddings, mean, allow_unused=True)
+        for p, g in zip(embeddings, grads, strict=True):
+            p.grad = g
+        if self.hp.hn_max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(body, self.hp.hn_max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(embeddings, self.hp.hn_max_grad_norm)
 
     def personalized_params(self, clients: Tensor) -> Params:
         with torch.no_grad():

@@ -1,0 +1,283 @@
+"""Client-level differential privacy: DP-FedAvg (McMahan et al., "Learning Differentially
+Private Recurrent Language Models", ICLR 2018), and its privacy accounting by ``dp-accounting``.
+
+Each round the server clips every sampled client's update Delta_k (the whole upload, flattened)
+to L2 norm S, sums the clipped updates, adds Gaussian noise N(0, z^2 S^2 I) to the sum and
+divides by the expected number of clients qN: the paper's fixed-denominator estimator f~_f with
+every weight w_k = 1 (so W = N and qW = qN). Every parameter the server releases is then a
+post-processing of this noisy mean, and the rounds compose as the subsampled Gaussian mechanism
+that :class:`PrivacyAccountant` accounts for. Guarantees are client-level: neighbouring datasets
+differ in one client's whole data.
+
+A method's round that implements this is marked :func:`privatizes` (with what it privatizes);
+:meth:`ClientDP.check` refuses every other method with a ConfigError naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import torch
+from torch import Tensor
+
+from lightning_pfl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lightning_pfl.methods.base import FederatedMethod
+
+KEY = "model.init_args.client_dp"
+EPSILON_KEY = "privacy/epsilon"  # logged every round (TensorBoard) at step = rounds completed
+# derive_seed stream of the noise (base.py's streams are 0-4; far from them, so that streams
+# added there later do not collide with it).
+NOISE_STREAM = 1001
+F = TypeVar("F", bound=Callable[..., Any])
+
+# What the methods without a DP round upload, for the refusal (docs/privacy.md has the table).
+UPLOADS = {
+    "Local": "nothing (no federation)",
+    "HeterogeneousLocal": "nothing (no federation)",
+    "FedProto": "class prototypes and their sample counts, not model updates",
+    "FedGH": "class-wise feature representations and their labels, not model updates",
+    "FedPAC": "the body update plus its classifier head and per-class feature statistics",
+    "FedFomo": "its whole local model, which the server sends to other clients as it is",
+    "FedU": "its whole local model, which its neighbours pull towards as it is",
+    "FedSimSup": "its personalized model, which the server keeps per client",
+    "FedAKT": "its trained adapter, averaged per adapter shape",
+    "HypCluster": "its update and, through its losses, the cluster it joins",
+    "FedTP": "the shared update plus its generated attention weights after training",
+    "FedTPPer": "the shared update plus its generated attention weights after training",
+    "FedTPRoD": "the shared update plus its generated attention weights after training",
+    "FedTPKNN": "the shared update plus its generated attention weights after training",
+    "PFedLA": "its delta, which the server mixes with per-client layer weights",
+    "PFedHNPC": "its body delta; its DP round is not implemented",
+    "PFedHNBudgets": "the deltas of its budget's model; its DP round is not implemented",
+    "PeFLL": "its delta and the embedding network's gradient from its data",
+    "MHPFedHN": "the delta of its own architecture; its DP round is not implemented",
+    "MHPFedHNG": "the deltas of its own and the global model; no DP round is implemented",
+    "MHPFedHNGD": "the deltas of its own and the global model; no DP round is implemented",
+}
+
+
+@dataclass(frozen=True)
+class ClientDP:
+    """Client-level DP of the uploaded updates (DP-FedAvg), given as ``model.init_args.client_dp``.
+
+    Attributes:
+        noise_multiplier: z (the brief's sigma): the noise added to the sum of clipped
+            updates has standard deviation z * S. 0: no noise (no privacy: epsilon = inf).
+        clip_norm: S (the brief's C): each client's update is scaled to L2 norm at most S
+            (flat clipping over every uploaded tensor); ``.inf``: no clipping.
+        delta: the delta at which epsilon is reported.
+        accountant: ``rdp`` (Renyi DP, Mironov et al.) or ``pld`` (privacy loss distributions,
+            tighter, slower: about 0.2-1 s of CPU per round to compose on our 2-core machine).
+        sampling: what the accountant assumes of client sampling. ``poisson`` (the paper's):
+            each client joins a round independently with probability q = clients_per_round / N,
+            add-or-remove-one neighbours. ``fixed_size`` (what the simulation does: exactly
+            clients_per_round clients drawn without replacement): Wang et al.'s bound for
+            sampling without replacement, replace-one neighbours (sensitivity 2S, so the
+            effective noise multiplier is z / 2); RDP only.
+    """
+
+    noise_multiplier: float = 1.0
+    clip_norm: float = 1.0
+    delta: float = 1e-5
+    accountant: Literal["rdp", "pld"] = "rdp"
+    sampling: Literal["poisson", "fixed_size"] = "poisson"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.noise_multiplier >= 0 or math.isinf(self.noise_multiplier):
+            problems.append(f"{KEY}.noise_multiplier = {self.noise_multiplier!r} must be >= 0")
+        if not self.clip_norm > 0:
+            problems.append(f"{KEY}.clip_norm = {self.clip_norm!r} must be > 0 (.inf: no clip)")
+        if not 0 < self.delta < 1:
+            problems.append(f"{KEY}.delta = {self.delta!r} must be > 0 and < 1")
+        if self.accountant == "pld" and self.sampling == "fixed_size":
+            problems.append(
+                f"{KEY}.sampling = 'fixed_size' has no PLD accounting in dp-accounting; "
+                "use accountant: rdp or sampling: poisson"
+            )
+        if problems:
+            raise ConfigError(
+                "Invalid client-level DP setting: "
+                + "; ".join(problems)
+                + ". Change the value in the config file or on the command line."
+            )
+
+    def check(self, method: FederatedMethod) -> str:
+        """What ``method``'s round privatizes; a ConfigError naming the method if it has no
+        DP round (its uploads are not model updates, or its round is not implemented with DP)."""
+        what = getattr(type(method).run_round, "privatizes", None)
+        if what is None:
+            name = type(method).__name__
+            uploads = UPLOADS.get(name, "what its own round defines, which has no DP version")
+            raise ConfigError(
+                f"{KEY}: {name} does not support client-level DP: each client uploads "
+                f"{uploads} (docs/privacy.md). Remove client_dp, or use a method whose round "
+                "privatizes its uploads: FedAvg and the FedAvg subclasses that keep its round "
+                "(FedPer, FedProx, Ditto, ...), PFedHN or PFedLHN."
+            )
+        return str(what)
+
+
+def privatizes(what: str) -> Callable[[F], F]:
+    """Mark a ``run_round`` that applies :class:`ClientDP` when configured, saying what it
+    privatizes. An override of a marked round is unmarked until it says so itself."""
+
+    def mark(run_round: F) -> F:
+        run_round.privatizes = what  # type: ignore[attr-defined]
+        return run_round
+
+    return mark
+
+
+def clip_factors(updates: Mapping[str, Tensor], clip_norm: float) -> Tensor:
+    """min(1, S / ||Delta_k||) of every client k: the norm is over all of ``updates`` (stacked
+    ``[K, ...]``), accumulated in float64; a zero update keeps factor 1. No host sync."""
+    squares = [u.flatten(1).double().pow(2).sum(1) for u in updates.values()]
+    norms = torch.stack(squares).sum(0).sqrt()
+    return (clip_norm / norms).clamp(max=1.0)
+
+
+def clip_updates(updates: Mapping[str, Tensor], clip_norm: float) -> dict[str, Tensor]:
+    """Every client's update scaled to L2 norm at most ``clip_norm`` (one vectorized pass)."""
+    factors = clip_factors(updates, clip_norm)
+    return {n: u * factors.to(u.dtype).view(-1, *([1] * (u.dim() - 1))) for n, u in updates.items()}
+
+
+def gaussian_noise(like: Mapping[str, Tensor], std: float, generator: torch.Generator) -> dict:
+    """N(0, std^2) tensors shaped as ``like``'s, drawn from ``generator`` in a fixed order."""
+    return {
+        n: torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * std
+        for n, t in like.items()
+    }
+
+
+def private_uploads(
+    sent: Mapping[str, Tensor],
+    uploaded: Mapping[str, Tensor],
+    dp: ClientDP,
+    generator: torch.Generator,
+) -> dict[str, Tensor]:
+    """Uploads whose plain mean (weights 1/K over the K rows) is the DP-FedAvg estimate
+    ``sent + (sum_k clip(Delta_k) + N(0, z^2 S^2 I)) / K`` with Delta_k = uploaded_k - sent_k.
+
+    K is the fixed denominator qN (the caller passes exactly K = qN rows: the simulation
+    samples clients_per_round = qN clients). Clipped rows become ``sent + clip(Delta_k)``;
+    rows the clip leaves alone are returned as uploaded (bit for bit), and the noise is added to
+    the first row, so that the sum gets it once: with z = 0 and S = inf the uploads are
+    unchanged and any method's aggregation gives the same result as without DP.
+    """
+    deltas = {n: u - sent[n] for n, u in uploaded.items()}
+    factors = clip_factors(deltas, dp.clip_norm)
+    private = {}
+    for n, u in uploaded.items():
+        f = factors.to(u.dtype).view(-1, *([1] * (u.dim() - 1)))
+        private[n] = torch.where(f < 1, sent[n] + f * deltas[n], u)
+    if dp.noise_multiplier > 0:
+        first = {n: u[0] for n, u in private.items()}
+        noise = gaussian_noise(first, dp.noise_multiplier * dp.clip_norm, generator)
+        for n, u in private.items():
+            private[n] = torch.cat([(u[0] + noise[n]).unsqueeze(0), u[1:]])
+    return private
+
+
+def private_sum(
+    contributions: Mapping[str, Tensor], dp: ClientDP, generator: torch.Generator
+) -> dict[str, Tensor]:
+    """``sum_k clip(g_k) + N(0, z^2 S^2 I)`` of per-client contributions stacked ``[K, ...]``
+    (the caller divides by K = qN)."""
+    clipped = clip_updates(contributions, dp.clip_norm)
+    total = {n: c.sum(0) for n, c in clipped.items()}
+    if dp.noise_multiplier == 0:
+        return total
+    noise = gaussian_noise(total, dp.noise_multiplier * dp.clip_norm, generator)
+    return {n: t + noise[n] for n, t in total.items()}
+
+
+class PrivacyAccountant:
+    """epsilon at ``dp.delta`` after T rounds of the subsampled Gaussian mechanism, by
+    ``dp-accounting`` (its RDP or PLD accountant, as ``dp.accountant`` says).
+
+    The per-round privacy loss is computed once; epsilon(T) composes it T times, which is what
+    the library's accountant does for ``compose(event, T)`` (tests/test_privacy.py checks the
+    values are the library's), so the epsilon of a round is a function of T alone: a resumed
+    run reports what an uninterrupted one does.
+    """
+
+    def __init__(self, dp: ClientDP, population: int, sample_size: int) -> None:
+        import dp_accounting as dpa
+
+        self.dp = dp
+        self.sampling_rate = sample_size / population
+        self.event = round_event(dp, population, sample_size)
+        self._unit: Any = None
+        if dp.noise_multiplier == 0:
+            return
+        if dp.accountant == "rdp":
+            relation = (
+                dpa.NeighboringRelation.REPLACE_ONE
+                if dp.sampling == "fixed_size"
+                else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+            )
+            unit = dpa.rdp.RdpAccountant(neighboring_relation=relation)
+            unit.compose(self.event)
+            # The accountant keeps the RDP of the composed events per order; T rounds are T
+            # times one round's (RdpAccountant.compose adds count * rdp).
+            self._unit = (unit._orders, unit._rdp)
+        else:
+            from dp_accounting.pld import pld_privacy_accountant as pld
+
+            self._unit = pld.PLD.from_gaussian_mechanism(
+                standard_deviation=dp.noise_multiplier,
+                value_discretization_interval=1e-4,
+                sampling_prob=self.sampling_rate,
+            )
+
+    def epsilon(self, rounds: int) -> float:
+        """epsilon at ``dp.delta`` after ``rounds`` rounds (inf without noise, 0 before any)."""
+        if rounds == 0:
+            return 0.0
+        if self._unit is None:
+            return math.inf
+        if self.dp.accountant == "rdp":
+            from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+            orders, rdp = self._unit
+            return float(compute_epsilon(orders, rounds * rdp, self.dp.delta)[0])
+        from dp_accounting.pld import pld_privacy_accountant as pld
+
+        composed = pld.PLD.identity(value_discretization_interval=1e-4).compose(
+            self._unit.self_compose(rounds)
+        )
+        return float(composed.get_epsilon_for_delta(self.dp.delta))
+
+    def summary(self, rounds: int, privatized: str) -> dict[str, Any]:
+        """The ``privacy`` entry of ``results.json``."""
+        return {
+            "epsilon": self.epsilon(rounds),
+            "delta": self.dp.delta,
+            "rounds": rounds,
+            "noise_multiplier": self.dp.noise_multiplier,
+            "clip_norm": self.dp.clip_norm,
+            "sampling_rate": self.sampling_rate,
+            "accountant": self.dp.accountant,
+            "sampling": self.dp.sampling,
+            "privatized": privatized,
+        }
+
+
+def round_event(dp: ClientDP, population: int, sample_size: int) -> Any:
+    """One round as a ``dp_accounting`` event: the Gaussian mechanism on a client sample."""
+    import dp_accounting as dpa
+
+    if dp.sampling == "fixed_size":
+        # Replacing one client's update by another moves the sum by up to 2S.
+        gaussian = dpa.GaussianDpEvent(dp.noise_multiplier / 2)
+        return dpa.SampledWithoutReplacementDpEvent(population, sample_size, gaussian)
+    return dpa.PoissonSampledDpEvent(
+        sample_size / population, dpa.GaussianDpEvent(dp.noise_multiplier)
+    )
