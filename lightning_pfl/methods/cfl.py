@@ -1,0 +1,171 @@
+"""CFL (Sattler, Mueller & Samek, IEEE TNNLS 2020): clustered FL by the cosine similarity of
+the clients' updates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_pfl.engine import Params
+from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt
+
+
+def optimal_bipartition(similarity: Tensor) -> Tensor:
+    """The paper's optimal bipartition of a cluster: ``c_1, c_2 = argmin max_{i in c_1, j in
+    c_2} alpha_ij``, found by merging the members in the order of decreasing similarity until
+    two groups remain (the minimum-weight edge of the maximum spanning tree is the cut). Returns
+    a bool mask of ``c_2`` (member 0 is in ``c_1``); ties go to the earlier pair."""
+    m = len(similarity)
+    parent = list(range(m))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    rows, cols = torch.triu_indices(m, m, 1, device=similarity.device)
+    order = similarity[rows, cols].argsort(descending=True, stable=True)
+    groups = m
+    for k in order.tolist():
+        if groups == 2:
+            break
+        a, b = root(int(rows[k])), root(int(cols[k]))
+        if a != b:
+            parent[b] = a
+            groups -= 1
+    first = root(0)
+    return torch.tensor([root(i) != first for i in range(m)], device=similarity.device)
+
+
+class CFL(FederatedMethod):
+    """CFL: clusters of clients split by the cosine similarity of their updates.
+
+    The server keeps one model per cluster (a client's personalized model is its cluster's);
+    all clients start in one cluster. Round: each sampled client i trains its cluster's model
+    theta_c and uploads the update dtheta_i = theta_i - theta_c. For every cluster c with
+    sampled members, with p_i = |D_i| / |D_c| over those members: when the round is at least
+    ``split_from_round``, c has more than ``min_cluster_size`` members and
+
+        || sum_i p_i dtheta_i || < eps_1   and   max_i || dtheta_i || > eps_2
+
+    (FedAvg is near a stationary point of the cluster's joint objective while some clients are
+    not), c is split by :func:`optimal_bipartition` of the cosine similarities
+    alpha_ij = <dtheta_i, dtheta_j> / (||dtheta_i|| ||dtheta_j||) of its members. Then every
+    cluster moves by its members' weighted mean update, theta_c += sum_i p_i dtheta_i (both
+    halves of a split start from the parent's model); buffers (batch-norm statistics) become the
+    members' weighted mean. A cluster without sampled members is unchanged.
+
+    The paper assumes every client takes part in every round. With fewer clients per round,
+    the similarities use each member's most recent update (kept per client); members that never
+    trained stay in the first half of a split.
+
+    Args:
+        eps_1: epsilon_1, the bound on the norm of the cluster's mean update (the authors' code:
+            0.4).
+        eps_2: epsilon_2, the bound the largest client update norm must exceed (the code: 1.6).
+        min_cluster_size: a cluster splits only with more members than this (the code: 2).
+        split_from_round: no split before this round (the code: 20).
+        **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
+    """
+
+    cluster_of: Tensor  # [num_clients] each client's cluster slot
+
+    def __init__(
+        self,
+        eps_1: NonNegativeFloat = 0.4,
+        eps_2: NonNegativeFloat = 1.6,
+        min_cluster_size: NonNegativeInt = 2,
+        split_from_round: NonNegativeInt = 20,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        n = self.hp.num_clients
+        # at most one cluster per client: room for every split without reallocating
+        for name, tensor in self.arch.initial_state().items():
+            self.register_buffer(_key(name), tensor.expand(n, *tensor.shape).clone())
+        self.register_buffer("cluster_of", torch.zeros(n, dtype=torch.long))
+        size = sum(torch.Size(s).numel() for s in self.arch.shapes.values())
+        self.store.add_field("update", {"delta": torch.zeros(size), "seen": torch.zeros(())})
+
+    def models(self) -> Params:
+        """Every cluster slot's model by tensor name, ``[num_clients, ...]``."""
+        return {n: getattr(self, _key(n)) for n in self.arch.initial_state()}
+
+    def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
+        cluster = self.cluster_of[clients]
+        start = {n: t[cluster] for n, t in self.models().items()}
+        result = self.local_train({n: t.clone() for n, t in start.items()}, clients, round_idx)
+        delta = torch.cat(
+            [(result.params[n] - start[n]).flatten(1) for n in self.arch.shapes], 1
+        ).float()
+        self.store.scatter("update", clients, {"delta": delta, "seen": torch.ones(len(clients))})
+        self.split(round_idx, clients, delta)
+        self.aggregate(self.cluster_of[clients], start, result.params, self.client_weights(clients))
+        self.record_communication(down=start, up=result.params)
+        return result.loss
+
+    @torch.no_grad()
+    def split(self, round_idx: int, clients: Tensor, delta: Tensor) -> None:
+        """Bipartition every cluster whose round updates meet the eps_1 / eps_2 criterion."""
+        h = self.hp
+        if round_idx < h.split_from_round:
+            return
+        n = h.num_clients
+        cluster = self.cluster_of[clients]
+        weights = self.client_weights(clients).double()
+        members = F.one_hot(cluster, n).double() * weights[:, None]  # [C, n]
+        mass = members.sum(0)
+        mean_norm = ((members / mass.clamp_min(1e-300)).T @ delta.double()).norm(dim=1)
+        max_norm = torch.zeros(n, dtype=torch.float64, device=delta.device).scatter_reduce(
+            0, cluster, delta.double().norm(dim=1), "amax"
+        )
+        size = torch.bincount(self.cluster_of, minlength=n)
+        due = (mass > 0) & (mean_norm < h.eps_1) & (max_norm > h.eps_2)
+        due &= size > h.min_cluster_size
+        for c in due.nonzero().flatten().tolist():  # server side: one host sync per round
+            self.bipartition(c)
+
+    def bipartition(self, c: int) -> None:
+        """Split cluster ``c``: the members in ``c_2`` move to a new slot holding a copy of
+        ``c``'s model."""
+        members = (self.cluster_of == c).nonzero().flatten()
+        update = self.store.gather("update", members, self.device)
+        known = members[update["seen"] > 0]
+        deltas = update["delta"][update["seen"] > 0]
+        if len(known) < 2:
+            return
+        unit = F.normalize(deltas.double(), dim=1, eps=1e-12)
+        second = known[optimal_bipartition(unit @ unit.T)]
+        new = int(self.cluster_of.max()) + 1
+        for tensor in self.models().values():
+            tensor[new] = tensor[c]
+        self.cluster_of[second] = new
+
+    @torch.no_grad()
+    def aggregate(self, cluster: Tensor, start: Params, trained: Params, weights: Tensor) -> None:
+        """``theta_c += sum_i p_i dtheta_i`` over each cluster's round members; buffers: their
+        weighted mean."""
+        members = F.one_hot(cluster, self.hp.num_clients).double() * weights.double()[:, None]
+        mass = members.sum(0)
+        share = members / mass.clamp_min(1e-300)  # columns of clusters without members: 0
+        for name, tensor in self.models().items():
+            if name in self.arch.shapes:
+                step = torch.einsum("cq,c...->q...", share, (trained[name] - start[name]).double())
+                tensor.add_(step.to(tensor.dtype))
+            else:
+                mean = torch.einsum("cq,c...->q...", share, trained[name].double())
+                has = (mass > 0).view(-1, *([1] * (tensor.dim() - 1)))
+                tensor.copy_(torch.where(has, mean.to(tensor.dtype), tensor))
+
+    def personalized_params(self, clients: Tensor) -> Params:
+        cluster = self.cluster_of[clients]
+        return {n: t[cluster] for n, t in self.models().items()}
+
+
+def _key(name: str) -> str:
+    return "cluster_" + name.replace(".", "__")
