@@ -47,6 +47,7 @@ SEED_TABLES: dict[str, str] = {
 # docs/methods.md.
 ABOUT: dict[str, tuple[str, str]] = {
     "apfl": ("Deng et al., 2020", "a local model and a mixing weight alpha_i"),
+    "ccvr": ("Luo et al., NeurIPS 2021", "nothing; the classifier is calibrated at evaluation"),
     "cfl": ("Sattler et al., IEEE TNNLS 2020", "the cluster (split by update similarity)"),
     "ditto": ("Li et al., ICML 2021", "a whole personal model"),
     "fedakt": ("Liu et al., J. Syst. Archit. 2025", "the whole model (any architecture)"),

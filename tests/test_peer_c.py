@@ -8,6 +8,14 @@ from pathlib import Path
 
 import torch
 
+from lightning_pfl.engine import derive_seed
+from lightning_pfl.methods.ccvr import (
+    CALIBRATION_STREAM,
+    CCVR,
+    class_moments,
+    global_moments,
+    sample_virtual,
+)
 from lightning_pfl.methods.cfl import CFL, optimal_bipartition
 from lightning_pfl.methods.fedavg import FedAvg
 from tests.conftest import build, digits_data
@@ -129,3 +137,92 @@ def test_cfl_vectorized_equals_sequential() -> None:
 
 def test_cfl_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "cfl.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- CCVR
+def test_ccvr_server_moments_are_the_pooled_mean_and_unbiased_covariance() -> None:
+    g = torch.Generator().manual_seed(0)
+    # 3 clients, 2 classes, D = 3; client 2 has one sample of class 1 and none of class 0
+    sizes = [[4, 3], [5, 2], [0, 1]]
+    feats = [[torch.randn(n, 3, generator=g, dtype=torch.float64) for n in row] for row in sizes]
+    counts = torch.tensor(sizes, dtype=torch.float64)
+    mean = torch.stack(
+        [torch.stack([f.mean(0) if len(f) else torch.zeros(3) for f in row]) for row in feats]
+    ).double()
+    cov = torch.stack(
+        [
+            torch.stack([torch.cov(f.T) if len(f) > 1 else torch.zeros(3, 3) for f in row])
+            for row in feats
+        ]
+    ).double()
+    total, mu, sigma = global_moments(counts, mean, cov)
+    for c in range(2):
+        pooled = torch.cat([row[c] for row in feats])
+        assert int(total[c]) == len(pooled)
+        torch.testing.assert_close(mu[c], pooled.mean(0))
+        torch.testing.assert_close(sigma[c], torch.cov(pooled.T))
+
+
+def test_ccvr_client_moments_are_each_clients_class_statistics() -> None:
+    dm = digits_data(4)
+    method = build(CCVR, dm)
+    assert isinstance(method, CCVR)
+    clients = torch.tensor([2, 0])
+    state = method.global_state()
+    params = {n: t.expand(2, *t.shape) for n, t in state.items()}
+    counts, mean, cov = class_moments(method, params, clients)
+    for row, client in enumerate(clients.tolist()):
+        x, y = dm.fetch(torch.as_tensor(dm._parts["train"][client]))
+        z = method.arch.features(state, x).double()
+        for c in range(10):
+            zc = z[y == c]
+            assert int(counts[row, c]) == len(zc)
+            if len(zc) > 1:
+                torch.testing.assert_close(mean[row, c], zc.mean(0))
+                torch.testing.assert_close(cov[row, c], torch.cov(zc.T))
+
+
+def test_ccvr_virtual_representations_follow_the_class_gaussians() -> None:
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 3, 3, generator=g, dtype=torch.float64)
+    sigma = a @ a.transpose(1, 2)
+    mu = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    total = torch.tensor([5.0, 0.0], dtype=torch.float64)
+    z, y, weight = sample_virtual(total, mu, sigma, 40000, g)
+    assert y.tolist()[:2] == [0, 0] and weight[y == 1].sum() == 0 and weight[y == 0].min() == 1
+    torch.testing.assert_close(z[y == 0].mean(0), mu[0], atol=0.05, rtol=0)
+    torch.testing.assert_close(torch.cov(z[y == 0].T), sigma[0], atol=0.1, rtol=0.05)
+
+
+def test_ccvr_calibration_is_one_sgd_step_of_the_classifier_on_the_virtual_features() -> None:
+    dm = digits_data(4)
+    # 10 classes x 3 virtual representations = one batch of 30: one plain SGD step
+    method = build(CCVR, dm, virtual_per_class=3, batch_size=32, calibration_lr=0.5)
+    assert isinstance(method, CCVR)
+    method.run_round(0, torch.tensor([0, 1]))
+    state = method.global_state()
+    clients = torch.arange(4)
+    params = {n: t.expand(4, *t.shape) for n, t in state.items()}
+    total, mu, sigma = global_moments(*class_moments(method, params, clients))
+    generator = torch.Generator().manual_seed(derive_seed(0, 0, CALIBRATION_STREAM))
+    z, y, weight = sample_virtual(total, mu, sigma, 3, generator)
+    z = z.float()
+    w, b = state["fc2.weight"], state["fc2.bias"]
+    present = weight > 0
+    residual = torch.softmax(z @ w.T + b, -1) - torch.nn.functional.one_hot(y, 10)
+    residual = residual * present[:, None] / present.sum()  # mean CE over real classes
+    calibrated = method.personalized_params(clients)
+    torch.testing.assert_close(calibrated["fc2.weight"][3], w - 0.5 * residual.T @ z)
+    torch.testing.assert_close(calibrated["fc2.bias"][0], b - 0.5 * residual.sum(0))
+    for name in method.arch.shapes:  # the feature extractor and the server model are untouched
+        if name not in method.arch.head_names:
+            assert torch.equal(calibrated[name][1], state[name])
+    assert torch.equal(method.global_state()["fc2.weight"], w)
+
+
+def test_ccvr_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(CCVR)
+
+
+def test_ccvr_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "ccvr.yaml", tmp_path)
