@@ -51,6 +51,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "cfl": ("Sattler et al., IEEE TNNLS 2020", "the cluster (split by update similarity)"),
     "ditto": ("Li et al., ICML 2021", "a whole personal model"),
     "fedakt": ("Liu et al., J. Syst. Archit. 2025", "the whole model (any architecture)"),
+    "fedas": ("Yang et al., CVPR 2024", "the whole model (body aligned to it each round)"),
     "fedavg": ("McMahan et al., AISTATS 2017", "nothing"),
     "fedavg_ft": ("FedAvg + fine-tuning", "nothing kept; fine-tuned before evaluation"),
     "fedbn": ("Li et al., ICLR 2021", "batch-norm layers and statistics"),

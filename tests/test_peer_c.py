@@ -17,6 +17,7 @@ from lightning_pfl.methods.ccvr import (
     sample_virtual,
 )
 from lightning_pfl.methods.cfl import CFL, optimal_bipartition
+from lightning_pfl.methods.fedas import FedAS, alignment_loss
 from lightning_pfl.methods.fedavg import FedAvg
 from tests.conftest import build, digits_data
 from tests.helpers import (
@@ -226,3 +227,67 @@ def test_ccvr_vectorized_equals_sequential() -> None:
 
 def test_ccvr_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "ccvr.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- FedAS
+def test_fedas_alignment_loss_by_hand() -> None:
+    z = torch.tensor([[1.0, 2.0], [3.0, 0.0], [5.0, 5.0], [9.0, 9.0]])
+    y = torch.tensor([0, 0, 1, 0])
+    weight = torch.tensor([1.0, 1.0, 1.0, 0.0])  # the last sample is padding
+    prototypes = torch.tensor([[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]])
+    present = torch.tensor([1.0, 0.0, 1.0])  # class 1 has no local prototype
+    # class 0: ((0 + 1) + (4 + 1)) / (2 samples x 2 dims) = 1.5; class 1: none
+    loss = alignment_loss(z, y, weight, prototypes, present)
+    torch.testing.assert_close(loss, torch.tensor(1.5))
+
+
+def test_fedas_aligns_the_global_body_then_averages_bodies_by_fisher_trace() -> None:
+    dm = digits_data(4)
+    # batches larger than any client: one alignment step per client
+    method = build(FedAS, dm, batch_size=512, alignment_lr=0.3, local_lr=0.05)
+    assert isinstance(method, FedAS)
+    clients = torch.tensor([0, 2, 3])
+    global_state = {n: t.clone() for n, t in method.global_state().items()}
+    local = method.store.gather("model", clients, method.device)
+    trained = capture_local_training(method)
+    method.run_round(0, clients)
+    aligned, result = trained
+    fisher = []
+    for row, client in enumerate(clients.tolist()):
+        x, y = dm.fetch(torch.as_tensor(dm._parts["train"][client]))
+        # alignment: one plain SGD step of the global body on the local model's prototypes
+        own = {n: t[row] for n, t in local.items()}
+        z_local = method.arch.features(own, x)
+        prototypes = torch.stack(
+            [z_local[y == c].mean(0) if (y == c).any() else torch.zeros(64) for c in range(10)]
+        )
+        body = {n: global_state[n].clone().requires_grad_() for n in method.body}
+        z = method.arch.features(body, x)
+        loss = sum(((z[y == c] - prototypes[c]) ** 2).mean() for c in y.unique().tolist())
+        grads = torch.autograd.grad(loss, list(body.values()))
+        for (name, p), g in zip(body.items(), grads, strict=True):
+            torch.testing.assert_close(aligned.params[name][row], p - 0.3 * g, msg=name)
+        # the Fisher trace: one epoch of batches (here one) of the trained model
+        model = {n: t[row].clone().requires_grad_() for n, t in result.params.items()}
+        nll = torch.nn.functional.cross_entropy(method.arch(model, x), y)
+        fisher.append(
+            sum(float((g**2).sum()) for g in torch.autograd.grad(nll, list(model.values())))
+        )
+    weights = torch.tensor(fisher, dtype=torch.float64) / sum(fisher)
+    for name in method.body:
+        p = method.net.get_parameter(name)
+        assert p.grad is not None
+        mean = (weights.view(-1, *[1] * p.dim()) * result.params[name].double()).sum(0)
+        torch.testing.assert_close(p.detach() - p.grad, mean.float(), msg=name)
+    # the client keeps the trained model, its own head trained on from its previous one
+    kept = method.store.gather("model", clients, method.device)
+    for name, t in kept.items():
+        assert torch.equal(t, result.params[name]), name
+
+
+def test_fedas_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedAS)
+
+
+def test_fedas_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedas.yaml", tmp_path)
