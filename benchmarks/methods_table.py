@@ -55,6 +55,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "fedavg": ("McMahan et al., AISTATS 2017", "nothing"),
     "fedavg_ft": ("FedAvg + fine-tuning", "nothing kept; fine-tuned before evaluation"),
     "fedbn": ("Li et al., ICLR 2021", "batch-norm layers and statistics"),
+    "fedcp": ("Zhang et al., KDD 2023", "a head and a context steering the feature split"),
     "fedfomo": ("Zhang et al., ICLR 2021", "the whole model"),
     "fedgh": ("Yi et al., ACM MM 2023", "the whole model (header tuned from the global one)"),
     "fedpac": ("Xu, Tong & Huang, ICLR 2023", "the classifier head (server-combined)"),

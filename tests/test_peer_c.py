@@ -4,6 +4,7 @@ exact resume."""
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from lightning_pfl.methods.ccvr import (
 from lightning_pfl.methods.cfl import CFL, optimal_bipartition
 from lightning_pfl.methods.fedas import FedAS, alignment_loss
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.methods.fedcp import FedCP, policy, rbf_mmd
 from tests.conftest import build, digits_data
 from tests.helpers import (
     CONF,
@@ -291,3 +293,76 @@ def test_fedas_vectorized_equals_sequential() -> None:
 
 def test_fedas_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedas.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- FedCP
+def test_fedcp_policy_and_mmd_by_hand() -> None:
+    params = {
+        "cpn.weight": torch.tensor([[1.0], [2.0]]),
+        "cpn.bias": torch.zeros(2),
+        "cpn.ln_weight": torch.ones(2),
+        "cpn.ln_bias": torch.zeros(2),
+    }
+    # W x = [1, 2]; LayerNorm over the two: [-1, 1]; ReLU: [0, 1]; softmax over (r, s)
+    r, s = policy(params, torch.tensor([[1.0]]), tau=1.0, noise=False)
+    torch.testing.assert_close(r, torch.tensor([[1 / (1 + math.e)]]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(s, torch.tensor([[math.e / (1 + math.e)]]), atol=1e-4, rtol=0)
+    torch.manual_seed(0)
+    r, s = policy(params, torch.ones(50, 1), tau=1.0, noise=True)
+    torch.testing.assert_close(r + s, torch.ones(50, 1))
+    assert r.std() > 0.05  # Gumbel noise: per-sample shares
+    a, b = torch.tensor([[0.0], [7.0]]), torch.tensor([[1.0], [-3.0]])
+    cross = sum(math.exp(-0.5 / s) for s in (10.0, 15.0, 20.0, 50.0))
+    # the second pair is padding: one point each, k(a, a) = k(b, b) = 4 kernels x exp(0)
+    mmd = rbf_mmd(a, b, torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(mmd, torch.tensor(8 - 2 * cross))
+
+
+def test_fedcp_local_loss_and_server_update() -> None:
+    dm = digits_data(4)
+    method = build(FedCP, dm, lam=2.0, gumbel_noise=False)
+    assert isinstance(method, FedCP)
+    clients = torch.tensor([0, 2])
+    before = method.personalized_params(clients)
+    trained = capture_local_training(method)
+    method.run_round(0, clients)
+    # the loss: CE(head_p(h r) + head_g(h s)) + lambda MMD(phi(x), phi_g(x))
+    one = {n: t[1] for n, t in before.items()}
+    x, y = dm.fetch(torch.as_tensor(dm._parts["train"][2][:8]))
+    frozen = {"global_head." + n: one[n] for n in method.arch.head_names}
+    frozen |= {"global_body." + n: one[n] for n in method.body} | {"context": one["context"]}
+    params = {
+        n: one[n] for n in (*method.body, "cpn.weight", "cpn.bias", "cpn.ln_weight", "cpn.ln_bias")
+    }
+    params |= {n: t for n, t in one.items() if n in method.arch.head_names}
+    loss = method.policy_loss(params, frozen, x, y, torch.ones(8))
+    h = method.arch.features({n: one[n] for n in method.body}, x)
+    r, s = policy(one, h * one["context"] / one["context"].norm(), 1.0, noise=False)
+    logits = method.arch.classify(one, h * r) + method.arch.classify(one, h * s)
+    expected = torch.nn.functional.cross_entropy(logits, y) + 2.0 * rbf_mmd(h, h, torch.ones(8))
+    torch.testing.assert_close(loss, expected)
+    # the client keeps its head, its context becomes the head's column sums; the server
+    # averages (head_p + head_g) / 2 and the CPN
+    result = trained[0].params
+    weights = method.client_weights(clients).double()
+    own = method.store.fields["personal"]
+    for name in method.arch.head_names:
+        assert torch.equal(own[name][clients], result[name])
+        p = method.net.get_parameter(name)
+        assert p.grad is not None
+        mixed = 0.5 * (result[name].double() + before[name].double())
+        mean = (weights.view(-1, *[1] * p.dim()) * mixed).sum(0)
+        torch.testing.assert_close(p.detach() - p.grad, mean.float(), msg=name)
+    torch.testing.assert_close(own["context"][clients], result["fc2.weight"].sum(1))
+    p = method.cpn["weight"]
+    assert p.grad is not None
+    mean = (weights.view(-1, 1, 1) * result["cpn.weight"].double()).sum(0)
+    torch.testing.assert_close(p.detach() - p.grad, mean.float())
+
+
+def test_fedcp_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedCP, gumbel_noise=False)
+
+
+def test_fedcp_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedcp.yaml", tmp_path)
