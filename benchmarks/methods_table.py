@@ -72,6 +72,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "fedtp_vanilla_pt": ("Li et al., TNNLS 2023", "qkv projections, kept by the client"),
     "fedu": ("Dinh et al., 2021", "the whole model (Laplacian-regularized)"),
     "fml": ("Shen et al., 2020", "a private model"),
+    "gpfl": ("Zhang et al., ICCV 2023", "the classifier head (on personally conditioned features)"),
     "hypcluster": ("Mansour et al., 2020", "the choice of one of q cluster models"),
     "knn_per": ("Marfoq et al., ICML 2022", "a kNN memory of training features"),
     "lg_fedavg": ("Liang et al., 2020", "the representation layers"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lightning_pfl.engine import derive_seed
+from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.methods.ccvr import (
     CALIBRATION_STREAM,
     CCVR,
@@ -21,6 +22,7 @@ from lightning_pfl.methods.cfl import CFL, optimal_bipartition
 from lightning_pfl.methods.fedas import FedAS, alignment_loss
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedcp import FedCP, policy, rbf_mmd
+from lightning_pfl.methods.gpfl import GPFL, conditional_inputs, conditional_valve, gce_loss
 from tests.conftest import build, digits_data
 from tests.helpers import (
     CONF,
@@ -293,6 +295,88 @@ def test_fedas_vectorized_equals_sequential() -> None:
 
 def test_fedas_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedas.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- GPFL
+def test_gpfl_conditional_valve_gce_and_conditional_inputs_by_hand() -> None:
+    eye = torch.eye(2)
+    params = {
+        "cov.gamma.weight": eye,
+        "cov.gamma.bias": torch.zeros(2),
+        "cov.beta.weight": -eye,
+        "cov.beta.bias": torch.zeros(2),
+    }
+    for part in ("gamma", "beta"):
+        params |= {f"cov.{part}.ln_weight": torch.ones(2), f"cov.{part}.ln_bias": torch.zeros(2)}
+    # gamma = LN(relu([1, 3])) = [-1, 1]; beta = LN(relu([-1, -3])) = LN([0, 0]) = [0, 0]
+    out = conditional_valve(params, torch.tensor([[2.0, 5.0]]), torch.tensor([1.0, 3.0]))
+    torch.testing.assert_close(out, torch.tensor([[0.0, 10.0]]), atol=1e-4, rtol=0)
+    # cosines of f = [1, 0] with e_0 = [2, 0] and e_1 = [0, 3]: [1, 0]
+    loss = gce_loss(
+        torch.tensor([[1.0, 0.0]]),
+        torch.tensor([0]),
+        torch.ones(1),
+        torch.tensor([[2.0, 0.0], [0.0, 3.0]]),
+    )
+    torch.testing.assert_close(loss, torch.tensor(math.log(1 + math.exp(-1.0))))
+    embedding = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
+    g, p = conditional_inputs(embedding, torch.tensor([0.25, 0.75, 0.0]))
+    torch.testing.assert_close(g, torch.tensor([1.0, 1.0]))
+    torch.testing.assert_close(p, torch.tensor([0.25, 0.75]))
+
+
+def test_gpfl_local_loss_is_ce_plus_gce_plus_lambda_batch_norm_distance() -> None:
+    dm = digits_data(4)
+    method = build(GPFL, dm, lam=0.5)
+    assert isinstance(method, GPFL)
+    clients = torch.tensor([1])
+    start = method.personalized_params(clients)
+    frozen = method.contexts(start, clients)
+    counts = torch.as_tensor(dm.partition_counts()["train"][1], dtype=torch.float32)
+    torch.testing.assert_close(
+        frozen["context.personal"][0], counts / counts.sum() @ method.extra["gce__embedding"]
+    )
+    params = {n: t[0] for n, t in start.items()}
+    x, y = dm.fetch(torch.as_tensor(dm._parts["train"][1][:8]))
+    w = torch.ones(8)
+    loss = method.gpfl_loss(params, {n: t[0] for n, t in frozen.items()}, x, y, w)
+    z = method.arch.features(method.network(params), x)
+    embedding = params["gce.embedding"]
+    f_p = conditional_valve(params, z, counts / counts.sum() @ embedding)
+    f_g = conditional_valve(params, z, embedding.mean(0))
+    ce = torch.nn.functional.cross_entropy(method.arch.classify(params, f_p), y)
+    distance = torch.linalg.matrix_norm(f_g - embedding[y])  # Frobenius over the batch
+    expected = ce + gce_loss(f_g, y, w, embedding) + 0.5 * distance
+    torch.testing.assert_close(loss, expected)
+
+
+def test_gpfl_shares_extractor_gce_and_cov_and_keeps_the_head() -> None:
+    dm = digits_data(4)
+    method = build(GPFL, dm)
+    assert isinstance(method, GPFL)
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 3])
+    method.run_round(0, clients)
+    result = trained[0].params
+    weights = method.client_weights(clients).double()
+    for name in method.extra_names:
+        p = method.extra[name.replace(".", "__")]
+        assert p.grad is not None
+        mean = (weights.view(-1, *[1] * p.dim()) * result[name].double()).sum(0)
+        torch.testing.assert_close(p.detach() - p.grad, mean.float(), msg=name)
+    heads = method.store.gather("personal", clients, method.device)
+    for name in method.arch.head_names:
+        assert torch.equal(heads[name], result[name]), name
+    sent, _ = method._round_bytes
+    assert sent == payload_bytes({n: t for n, t in method.payload(clients).items()})
+
+
+def test_gpfl_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(GPFL)
+
+
+def test_gpfl_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "gpfl.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- FedCP
