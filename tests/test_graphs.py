@@ -20,6 +20,11 @@ from lightning_pfl.methods import (
     PFedHNPC,
     PFedKT,
 )
+from lightning_pfl.methods.ccvr import CCVR
+from lightning_pfl.methods.cfl import CFL
+from lightning_pfl.methods.fedas import FedAS
+from lightning_pfl.methods.fedcp import FedCP
+from lightning_pfl.methods.gpfl import GPFL
 from tests.conftest import build, digits_data, fit
 
 
@@ -99,6 +104,11 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (PFedHNPC, {}),
     (PFedKT, {"local_epochs": 1}),
     (FedSimSup, {"supervisors": {"cnn": {"net": "digits_cnn", "net_args": {"width": 4}}}}),
+    (CFL, {"eps_1": 1e6, "eps_2": 0.0, "split_from_round": 1}),
+    (CCVR, {}),
+    (FedAS, {}),
+    (GPFL, {}),
+    (FedCP, {"gumbel_noise": False}),
 ]
 
 
