@@ -7,9 +7,11 @@ import itertools
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_pfl.engine import derive_seed
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.methods.ccvr import (
     CALIBRATION_STREAM,
@@ -442,6 +444,12 @@ def test_fedcp_local_loss_and_server_update() -> None:
     assert p.grad is not None
     mean = (weights.view(-1, 1, 1) * result["cpn.weight"].double()).sum(0)
     torch.testing.assert_close(p.detach() - p.grad, mean.float())
+
+
+def test_fedcp_with_gumbel_noise_refuses_worker_threads() -> None:
+    with pytest.raises(ConfigError, match="client_threads = 2 .* Gumbel noise"):
+        build(FedCP, digits_data(4), client_threads=2)
+    build(FedCP, digits_data(4), client_threads=2, gumbel_noise=False)
 
 
 def test_fedcp_vectorized_equals_sequential() -> None:

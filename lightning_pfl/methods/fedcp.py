@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_pfl.engine import Params, client_mean, weighted_cross_entropy
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedproto import feature_dim
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat
@@ -90,8 +91,13 @@ class FedCP(FedAvg):
         if gumbel_noise:
             # the policy draws random numbers: clients may not share a thread's generator
             self.arch.stochastic = True
-            if self.hp.client_threads is not None and self.hp.client_threads > 1:
-                self.check_threadable(self.arch)
+            threads = self.hp.client_threads
+            if threads is not None and threads > 1:
+                raise ConfigError(
+                    f"model.init_args.client_threads = {threads} trains clients concurrently, "
+                    "which needs a client step without random numbers, and FedCP's policy draws "
+                    "Gumbel noise; use client_threads 1 or null, or gumbel_noise: false."
+                )
         self.client_loss = self.policy_loss  # one object: a recorded round is keyed by it
 
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
