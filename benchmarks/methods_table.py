@@ -53,6 +53,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "fedavg_ft": ("FedAvg + fine-tuning", "nothing kept; fine-tuned before evaluation"),
     "fedbn": ("Li et al., ICLR 2021", "batch-norm layers and statistics"),
     "fedfomo": ("Zhang et al., ICLR 2021", "the whole model"),
+    "fedem": ("Marfoq et al., NeurIPS 2021", "mixture weights pi_t over M shared components"),
     "fedgh": ("Yi et al., ACM MM 2023", "the whole model (header tuned from the global one)"),
     "fedpac": ("Xu, Tong & Huang, ICLR 2023", "the classifier head (server-combined)"),
     "fedper": ("Arivazhagan et al., 2019", "the classifier head"),
