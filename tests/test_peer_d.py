@@ -16,6 +16,7 @@ from lightning_pfl.methods.fedgen import GEN_TARGET, GEN_Y, GEN_Z, FedGen
 from lightning_pfl.methods.floco import (
     ALPHAS,
     REGION,
+    SIGNATURE_PHASE,
     SIMPLEX,
     Floco,
     project_onto_simplex,
@@ -310,6 +311,10 @@ def test_floco_samples_the_simplex_then_each_clients_l1_ball() -> None:
     after = method.sample_alphas(clients, 50, round_idx=2)
     radius = (after - centers[:, None]).abs().sum(-1)
     assert float(radius.max()) <= 0.2 + 1e-6 and float(radius.max()) > 0.1
+    # round tau's signature pass still samples the whole simplex (no subregions yet)
+    signature = method.sample_alphas(clients, 50, round_idx=2, phase=SIGNATURE_PHASE)
+    assert bool((signature >= 0).all()) and float(signature.max()) > 0.9
+    torch.testing.assert_close(signature.sum(-1), torch.ones(2, 50))
 
 
 def test_floco_projects_every_client_at_tau_from_its_endpoint_update() -> None:

@@ -22,6 +22,7 @@ from lightning_pfl.step_inputs import CLOCK, CLOCK_GROUP, at, start_clock, tick
 from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 FLOCO_STREAM = 8  # seeds the sampled simplex points, per round
+SIGNATURE_PHASE = 1  # the batches and simplex points of round tau's signature pass
 SIMPLEX = "simplex"  # the M endpoints of the classifier weight, stacked [M, ...]
 ALPHAS = "alphas"  # the round's sampled simplex points [S, M] in the loss's frozen tensors
 REGION = "subregion"  # client store: the center beta_i of each client's subregion
@@ -144,15 +145,15 @@ class Floco(FedAvg):
         return (loss, buffers) if buffers else loss
 
     def sample_alphas(self, clients: Tensor, steps: int, round_idx: int, phase: int = 0) -> Tensor:
-        """``[C, steps, M]`` simplex points: uniform on the simplex before round tau, in the
-        client's subregion from round tau on."""
+        """``[C, steps, M]`` simplex points: uniform on the simplex before round tau and in the
+        signature pass, in the client's subregion from round tau on."""
         h = self.hp
         rng = torch.Generator(self.device).manual_seed(
             derive_seed(h.seed, round_idx, FLOCO_STREAM, phase)
         )
         shape = (len(clients), steps, h.endpoints)
         u = torch.rand(shape, generator=rng, device=rng.device).to(self.device)
-        if round_idx < h.tau:
+        if round_idx < h.tau or phase == SIGNATURE_PHASE:
             e = -torch.log1p(-u)  # Exp(1): normalized, uniform on the simplex
             return e / e.sum(-1, keepdim=True)
         v = 2 * u - 1
@@ -184,7 +185,7 @@ class Floco(FedAvg):
         what was sent and received."""
         everyone = torch.arange(self.num_training_clients, device=self.device)
         sent = self.payload(everyone)
-        result = self.train_clients(round_idx, everyone, dict(sent), phase=1)
+        result = self.train_clients(round_idx, everyone, dict(sent), phase=SIGNATURE_PHASE)
         update = sent[SIMPLEX] - result.params[SIMPLEX]
         centers = simplex_centers(update.flatten(1), self.hp.endpoints)
         self.store.scatter(REGION, everyone, {REGION: centers})
