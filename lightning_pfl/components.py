@@ -1,5 +1,5 @@
-"""M models of one architecture held and trained together: the components of a mixture
-(FedEM), the endpoints of a solution simplex (Floco), ...
+"""M models of one architecture held and trained together (the components of FedEM's mixture,
+or of any method with several whole models per client).
 
 :class:`Components` is an ``nn.Module`` holding the M networks under ``members.<m>.``, so one
 :class:`~lightning_pfl.engine.Architecture` of it gives a client's M models as one tensor dict:
