@@ -27,11 +27,13 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 import lightning_pfl.methods as methods_module
 from lightning_pfl import partition as partition_module
 from lightning_pfl.callbacks import RoundCheckpoint
+from lightning_pfl.console import quiet_third_party, result_lines
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.errors import ConfigError, PFLError
 from lightning_pfl.jobs import Job, Runs, RunSpec, expand
@@ -429,15 +431,16 @@ class PFLCLI(LightningCLI):
             raise checkpoint.interrupted
         if self.config[self.subcommand].get("test_after_fit", True):
             self.trainer.test(self.model, datamodule=self.datamodule, verbose=True)
-        self._write_results()
+        self._write_results(announce=True)
 
     def after_test(self) -> None:
-        self._write_results()
+        self._write_results(announce=True)
 
     def after_validate(self) -> None:
         self._write_results()
 
-    def _write_results(self) -> None:
+    def _write_results(self, announce: bool = False) -> None:
+        """Write ``results.json``; ``announce``: also print the run's result."""
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
         if not self.trainer.is_global_zero or log_dir is None or self.trainer.logger is None:
             return
@@ -454,6 +457,10 @@ class PFLCLI(LightningCLI):
         self.results_path = Path(path)
         with open(path, "w") as f:
             json.dump(results, f, indent=2, default=str)
+        if announce:
+            logger = self.trainer.logger
+            tensorboard = logger.log_dir if isinstance(logger, TensorBoardLogger) else None
+            print("\n".join(result_lines(results, path, tensorboard)), flush=True)
 
 
 def _check_trainer(trainer: Namespace, subcommand: str) -> None:
@@ -526,6 +533,7 @@ def run(
     """Run the CLI with ``args`` (default: ``sys.argv``) and return it (for scripts and tests);
     ``callbacks`` are added to the trainer's. ``run_subcommand=False``: parse, check and build
     only (:meth:`PFLCLI.fit_now` runs it)."""
+    quiet_third_party()
     argv = list(args if args is not None else sys.argv[1:])
     _default_logger_name(argv)
     return PFLCLI(
