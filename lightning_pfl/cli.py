@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
+from lightning import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_pfl.methods as methods_module
 from lightning_pfl import partition as partition_module
@@ -39,6 +41,7 @@ from lightning_pfl.errors import ConfigError, PFLError
 from lightning_pfl.jobs import Job, Runs, RunSpec, expand
 from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.papers import describe_record, paper_record
+from lightning_pfl.trainer_settings import check_trainer
 
 DEFAULT_LOGS = "logs"
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -69,6 +72,13 @@ RUNTIME_KEYS = {
     "data.init_args.eval_clients_per_batch",
 }
 EXPERIMENT_FILE = "experiment.json"
+# What the DataModule knows and the method is told (jsonargparse links, applied on
+# instantiation), with where to set it instead.
+LINKED_FROM_DATA = {
+    "num_clients": "set data.init_args.num_clients instead",
+    "num_classes": "the dataset (data.init_args.dataset) gives it",
+    "input_shape": "the dataset (data.init_args.dataset) gives it",
+}
 
 
 def _partitioners() -> list[str]:
@@ -203,7 +213,7 @@ class PFLCLI(LightningCLI):
         return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        for attribute in ("num_clients", "num_classes", "input_shape"):
+        for attribute in LINKED_FROM_DATA:
             parser.link_arguments(
                 f"data.{attribute}", f"model.init_args.{attribute}", apply_on="instantiate"
             )
@@ -219,6 +229,13 @@ class PFLCLI(LightningCLI):
         )
         parser.add_class_arguments(Runs, "runs")
 
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError) as error:
+            # Lightning refuses some combinations in Trainer(...) itself: before any folder.
+            raise ConfigError(f"trainer settings refused by Lightning: {error}") from error
+
     def _parse_ckpt_path(self) -> None:
         """Never replace the config with the checkpoint's hyperparameters (see _check_resume)."""
 
@@ -231,7 +248,8 @@ class PFLCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
         assert self.subcommand is not None
-        _check_trainer(config.trainer, self.subcommand)
+        check_trainer(config.trainer, self.subcommand)
+        _check_links(config)
         self.experiment = self._experiment(config)
         logger = config.trainer.logger
         if isinstance(logger, Namespace) and "init_args" in logger:
@@ -440,77 +458,50 @@ class PFLCLI(LightningCLI):
         self._write_results()
 
     def _write_results(self, announce: bool = False) -> None:
-        """Write ``results.json``; ``announce``: also print the run's result."""
+        """Write ``results.json`` (when there is a logger); ``announce``: also print the run's
+        result."""
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
-        if not self.trainer.is_global_zero or log_dir is None or self.trainer.logger is None:
+        if not self.trainer.is_global_zero:
             return
+        logger = self.trainer.logger
+        writes = log_dir is not None and logger is not None
+        if not (writes or announce):
+            return
+        results = self._results()
+        path = None
+        if writes:
+            path = os.path.join(str(log_dir), "results.json")
+            self.results_path = Path(path)
+            with open(path, "w") as f:
+                json.dump(results, f, indent=2, default=str)
+        if announce:
+            tensorboard = logger.log_dir if isinstance(logger, TensorBoardLogger) else None
+            print("\n".join(result_lines(results, path, tensorboard)), flush=True)
+
+    def _results(self) -> dict[str, Any]:
         assert isinstance(self.model, FederatedMethod)
         parser = self._parser(self.subcommand)
         config = parser.dump(self.config[self.subcommand], format="json", skip_none=False)
-        results = {
+        return {
             **self.model.results(),
             "subcommand": self.subcommand,
             **({"paper": self.paper} if self.paper is not None else {}),
             "config": json.loads(config),
         }
-        path = os.path.join(log_dir, "results.json")
-        self.results_path = Path(path)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2, default=str)
-        if announce:
-            logger = self.trainer.logger
-            tensorboard = logger.log_dir if isinstance(logger, TensorBoardLogger) else None
-            print("\n".join(result_lines(results, path, tensorboard)), flush=True)
 
 
-def _check_trainer(trainer: Namespace, subcommand: str) -> None:
-    """Refuse trainer settings that make a federated run meaningless."""
-    problems = []
-    precision = str(trainer.get("precision"))
-    if precision.startswith("16") or precision == "16":
-        problems.append(
-            f"trainer.precision = {precision} needs gradient scaling, which client training "
-            "does not do (on CPU Lightning would silently run bf16): use 'bf16-mixed' or "
-            "'32-true'"
+def _check_links(config: Namespace) -> None:
+    """Refuse model arguments that the DataModule sets (they would be silently replaced)."""
+    given = [name for name in LINKED_FROM_DATA if config.model.init_args.get(name) is not None]
+    if given:
+        raise ConfigError(
+            "; ".join(
+                f"model.init_args.{name} comes from the data section: remove it from the "
+                f"model section ({LINKED_FROM_DATA[name]})"
+                for name in given
+            )
+            + "."
         )
-    max_steps = trainer.get("max_steps")
-    if subcommand == "fit":
-        if max_steps is None or max_steps == 0 or (max_steps < 0 and not trainer.get("max_time")):
-            problems.append(
-                f"trainer.max_steps = {max_steps} is the number of rounds: give a positive "
-                "number (one training step is one round)"
-            )
-        interval = trainer.get("val_check_interval")
-        if isinstance(interval, float) and not float(interval).is_integer():
-            problems.append(
-                f"trainer.val_check_interval = {interval}: give the number of rounds between "
-                "evaluations as an integer (a round loader has no epochs to take a fraction of)"
-            )
-        elif (
-            isinstance(interval, (int, float))
-            and max_steps
-            and max_steps > 0
-            and not 1 <= interval <= max_steps
-        ):
-            problems.append(
-                f"trainer.val_check_interval = {interval} with trainer.max_steps = "
-                f"{max_steps}: validation would never run; use 1..{max_steps}"
-            )
-        if trainer.get("check_val_every_n_epoch") is not None:
-            problems.append(
-                "trainer.check_val_every_n_epoch must be null: rounds never end an epoch; set "
-                "trainer.val_check_interval (rounds between evaluations)"
-            )
-        limit = trainer.get("limit_train_batches")
-        if limit not in (None, 1.0, 1):
-            problems.append(
-                f"trainer.limit_train_batches = {limit}: set the number of rounds with "
-                "trainer.max_steps instead"
-            )
-        if trainer.get("accumulate_grad_batches") not in (None, 1):
-            problems.append("trainer.accumulate_grad_batches must be 1 (one step is one round)")
-    if problems:
-        raise ConfigError("Invalid trainer settings: " + "; ".join(problems) + ".")
 
 
 def _default_logger_name(args: list[str]) -> None:

@@ -43,10 +43,10 @@ def quiet_third_party() -> None:
 
 
 def result_lines(
-    results: Mapping[str, Any], results_path: str, tensorboard_dir: str | None
+    results: Mapping[str, Any], results_path: str | None, tensorboard_dir: str | None
 ) -> list[str]:
-    """The closing table of a run from its ``results.json`` entries (``tensorboard_dir``: the
-    run's TensorBoard folder, None without a TensorBoard logger)."""
+    """The closing table of a run from its ``results.json`` entries (``results_path``: None
+    when no logger wrote it; ``tensorboard_dir``: None without a TensorBoard logger)."""
     best_round = results.get("best_round")
     if results.get("subcommand") == "fit":
         last, missing = "last round", "not evaluated (--test_after_fit false)"
@@ -67,7 +67,7 @@ def result_lines(
     for label, test, why_not in rows:
         values = f"{test['acc']:>17.4f}  {test['acc_weighted']:.4f}" if test else f"{why_not:>17}"
         lines.append(f"{label:<{width}}  {values}")
-    lines.append(f"results: {results_path}")
+    lines.append(f"results: {results_path or 'not written (trainer.logger is off)'}")
     if tensorboard_dir is not None:
         lines.append(f"TensorBoard: tensorboard --logdir {tensorboard_dir}")
     return lines
