@@ -11,8 +11,9 @@ import pytest
 from jsonargparse._link_arguments import get_link_actions
 from lightning import Trainer
 
-from lightning_pfl.cli import LINKED_FROM_DATA, PFLCLI, _user_error, main, run
+from lightning_pfl.cli import LINKED_FROM_DATA, PFLCLI, main, run
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.messages import user_error
 from lightning_pfl.trainer_settings import TRAINER_RULES, check_trainer
 from tests.data.fake_datasets import write_mnist
 from tests.helpers import CONF, cli
@@ -149,7 +150,7 @@ def test_debug_flag_shows_the_traceback(
                 "--model.init_args.local_lr=-1",
             ]
         )
-    assert isinstance(_user_error(raised.value), ConfigError)
+    assert isinstance(user_error(raised.value), ConfigError)
 
 
 def test_enough_bad_inputs_are_covered() -> None:
