@@ -305,7 +305,11 @@ def test_supported_trainer_flags_run_and_change_no_result(
         assert flagged[key] == plain[key], key
     assert [entry["round"] for entry in plain["eval_history"]] == [0, 4]  # interval null
     capsys.readouterr()
-    code = main(["fit", f"--config={FEDAVG}", "--trainer.logger=false", "--trainer.max_steps=2"])
+    root = f"--trainer.default_root_dir={tmp_path / 'no_logger'}"  # its checkpoint goes there
+    code = main(
+        ["fit", f"--config={FEDAVG}", "--trainer.logger=false", "--trainer.max_steps=2", root]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "results: not written (trainer.logger is off)" in out
     assert "last round 2" in out
+    assert (tmp_path / "no_logger" / "checkpoints" / "last.ckpt").exists()
