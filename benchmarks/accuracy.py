@@ -96,7 +96,8 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_pfl.cli import checkpointed_versions, run
+from lightning_pfl.cli import run
+from lightning_pfl.experiment import checkpointed_versions
 
 REPO = Path(__file__).resolve().parents[1]
 DIRICHLET = [

@@ -17,7 +17,8 @@ group's accuracy is reported as ``{val,test}/<prefix>_<name>/acc``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,16 @@ from lightning_pfl.partition import largest_remainder
 
 GROUP_KEYS = {"net", "net_args", "share", "clients"}
 SEP = "/"  # a group's personalized tensors are keyed "<group>/<tensor>" (see NetworkGroups.tagged)
+
+
+@dataclass(frozen=True)
+class GroupShare:
+    """The clients of one architecture group among a round's clients."""
+
+    name: str  # the group's name
+    rows: Tensor  # their positions among the round's clients (to select batches, slice results)
+    members: Tensor  # their client ids
+    arch: Architecture  # the group's network
 
 
 class NetworkGroups:
@@ -96,6 +107,15 @@ class NetworkGroups:
             rows = (groups == g).nonzero()[:, 0]
             if len(rows):
                 yield name, rows.to(clients.device)
+
+    def train_groups(self, clients: Tensor, train: Callable[[GroupShare], Tensor]) -> Tensor:
+        """Call ``train`` once for each group among ``clients`` (its clients train together:
+        one vmap per group) and gather the per-client losses it returns, in the order of
+        ``clients``."""
+        losses = torch.zeros(len(clients), device=clients.device)
+        for name, rows in self.split(clients):
+            losses[rows] = train(GroupShare(name, rows, clients[rows], self.archs[name]))
+        return losses
 
     def client_groups(self, prefix: str) -> dict[str, Tensor]:
         """``{f"{prefix}_{name}": client ids}`` for per-group accuracy."""

@@ -10,35 +10,50 @@ and every run writes ``results.json`` into its log directory.
 Errors that are the user's to fix print one paragraph and exit with status 2 (set
 ``PFL_DEBUG=1`` for the traceback); a run stopped by SIGINT/SIGTERM saves ``last.ckpt`` and
 exits with 130/143.
+
+The concerns live in their own modules: the trainer settings (``trainer_settings``), what makes
+a checkpoint the same experiment (``experiment``), the run folder's name (``run_names``), the
+error messages (``messages``) and what a run prints (``console``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from jsonargparse import Namespace
+from lightning import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-import lightning_pfl.methods as methods_module
-from lightning_pfl import partition as partition_module
 from lightning_pfl.callbacks import RoundCheckpoint
+from lightning_pfl.console import quiet_third_party, result_lines
 from lightning_pfl.datamodule import FederatedDataModule
-from lightning_pfl.errors import ConfigError, PFLError
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.experiment import (
+    EXPERIMENT_FILE,
+    LAST_CHECKPOINT,
+    check_checkpoint,
+    checkpointed_versions,
+    experiment_of,
+    flatten,
+    last_of_same_experiment,
+    version_holding,
+)
 from lightning_pfl.jobs import Job, Runs, RunSpec, expand
+from lightning_pfl.messages import PFLArgumentParser, report, user_error
 from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.papers import describe_record, paper_record
+from lightning_pfl.run_names import default_logger, place_run
+from lightning_pfl.trainer_settings import check_trainer
 
-DEFAULT_LOGS = "logs"
 TRAINER_DEFAULTS: dict[str, Any] = {
     "max_steps": 100,
     "val_check_interval": 10,
@@ -46,131 +61,14 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 1,
     "enable_model_summary": False,
-    "logger": {
-        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        # A relative save_dir is relative to trainer.default_root_dir (default: the current
-        # directory); name null: the config file's path under configs/ (see _config_path_name).
-        "init_args": {"save_dir": DEFAULT_LOGS, "name": None, "default_hp_metric": False},
-    },
 }
-# Arguments that change speed or placement but not the math: they may differ on resume.
-RUNTIME_KEYS = {
-    "model.init_args.vectorize",
-    "model.init_args.compile_step",
-    "model.init_args.cuda_graphs",
-    "model.init_args.client_threads",
-    "model.init_args.eval_batch_size",
-    "model.init_args.last_evals",
-    "model.init_args.offload_client_state",
-    "data.init_args.root",
-    "data.init_args.download",
-    "data.init_args.eval_clients_per_batch",
+# What the DataModule knows and the method is told (jsonargparse links, applied on
+# instantiation), with where to set it instead.
+LINKED_FROM_DATA = {
+    "num_clients": "set data.init_args.num_clients instead",
+    "num_classes": "the dataset (data.init_args.dataset) gives it",
+    "input_shape": "the dataset (data.init_args.dataset) gives it",
 }
-EXPERIMENT_FILE = "experiment.json"
-
-
-def _partitioners() -> list[str]:
-    return [
-        name
-        for name, value in vars(partition_module).items()
-        if isinstance(value, type)
-        and issubclass(value, partition_module.Partitioner)
-        and value is not partition_module.Partitioner
-    ]
-
-
-def _short_error(message: str) -> str:
-    """jsonargparse's nested report reduced to the config key and what is wrong with it."""
-    keys = re.findall(r'Parser key "([\w.]+)"', message)
-    path = ".init_args.".join(keys)
-    unknown_option = re.search(r"Option '([\w.]+)' is not accepted", message)
-    if unknown_option:
-        return f"unknown option {path}.init_args.{unknown_option.group(1)} (see --help)."
-    bad_class = re.search(
-        r"Expected a dot import path string: (\S+)|Import path (\S+) does not correspond", message
-    )
-    if bad_class:
-        value = bad_class.group(1) or bad_class.group(2)
-        choices = {
-            "model": [c for c in methods_module.__all__ if c != "FederatedMethod"],
-            "data": ["FederatedDataModule"],
-            "data.init_args.partition": _partitioners(),
-        }.get(path)
-        listed = f" Choose one of: {', '.join(sorted(choices))}" if choices else ""
-        return (
-            f"unknown class_path '{value}' for {path}.{listed} (or the full import path of "
-            "your own subclass)."
-        )
-    wrong_type = [
-        m
-        for m in re.finditer(r"Expected an? ([^\n]+?)\. Got value: ([^\n]+)", message)
-        if "NoneType" not in m.group(1)
-    ]
-    if wrong_type:
-        return f"{path}: expected {wrong_type[0].group(1)}, got {wrong_type[0].group(2)}."
-    return message
-
-
-class PFLArgumentParser(LightningArgumentParser):
-    """Short errors: a one-line usage and the config key with what is wrong with it."""
-
-    def print_usage(self, file: Any = None) -> None:
-        (file or sys.stdout).write(
-            "usage: lightning-pfl {fit,validate,test} --config CONFIG [--section.key VALUE ...]\n"
-        )
-
-    rewrites_errors = False  # set on the CLI's own parsers, not jsonargparse's nested ones
-
-    def error(self, message: str, ex: Exception | None = None) -> Any:
-        # Nested parsers (of a class's arguments) report first, to the outermost parser, whose
-        # message then holds every config key of the path: only it rewrites the report.
-        if self.rewrites_errors:
-            message = _short_error(message)
-        return super().error(message, ex)
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """Human-readable differences between two flat experiment descriptions."""
-    keys = sorted(set(saved) | set(current))
-    return [
-        f"{k}: {saved.get(k, '<unset>')!r} in the checkpoint, {current.get(k, '<unset>')!r} now"
-        for k in keys
-        if saved.get(k, "<unset>") != current.get(k, "<unset>")
-    ]
-
-
-def checkpointed_versions(run_dir: Path) -> list[Path]:
-    """The ``version_*`` folders of ``run_dir`` holding ``checkpoints/last.ckpt``, newest first
-    (what ``--ckpt_path last`` resumes from)."""
-    return sorted(
-        (p for p in run_dir.glob("version_*") if (p / "checkpoints" / "last.ckpt").exists()),
-        key=lambda p: int(p.name.split("_")[1]) if p.name.split("_")[1].isdigit() else -1,
-        reverse=True,
-    )
-
-
-def _config_path_name(configs: list[Any]) -> str:
-    """Run name from the last config file: its path under ``configs/`` without the suffix."""
-    if not configs:
-        return "run"
-    path = Path(str(configs[-1])).resolve()
-    parts = path.with_suffix("").parts
-    if "configs" in parts:
-        index = len(parts) - 1 - parts[::-1].index("configs")
-        return "/".join(parts[index + 1 :])
-    return f"{path.parent.name}/{path.stem}"
 
 
 class PFLCLI(LightningCLI):
@@ -201,7 +99,7 @@ class PFLCLI(LightningCLI):
         return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        for attribute in ("num_clients", "num_classes", "input_shape"):
+        for attribute in LINKED_FROM_DATA:
             parser.link_arguments(
                 f"data.{attribute}", f"model.init_args.{attribute}", apply_on="instantiate"
             )
@@ -217,6 +115,13 @@ class PFLCLI(LightningCLI):
         )
         parser.add_class_arguments(Runs, "runs")
 
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError) as error:
+            # Lightning refuses some combinations in Trainer(...) itself: before any folder.
+            raise ConfigError(f"trainer settings refused by Lightning: {error}") from error
+
     def _parse_ckpt_path(self) -> None:
         """Never replace the config with the checkpoint's hyperparameters (see _check_resume)."""
 
@@ -229,26 +134,30 @@ class PFLCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
         assert self.subcommand is not None
-        _check_trainer(config.trainer, self.subcommand)
-        self.experiment = self._experiment(config)
+        check_trainer(config.trainer, self.subcommand)
+        _check_links(config)
+        self.experiment = experiment_of(self._dumped(config))
         logger = config.trainer.logger
-        if isinstance(logger, Namespace) and "init_args" in logger:
-            root = config.trainer.get("default_root_dir")
-            save_dir = logger.init_args.get("save_dir")
-            if root and save_dir is not None and not os.path.isabs(str(save_dir)):
-                logger.init_args.save_dir = os.path.join(str(root), str(save_dir))
-            if "name" in logger.init_args and logger.init_args.name is None:
-                logger.init_args.name = _config_path_name(config.get("config") or [])
+        place_run(logger, config.trainer.get("default_root_dir"), config.get("config") or [])
         self.job = self._job(config)
         if self.job is not None:
             return  # each run checks its own checkpoint
+        allowed = set(config.get("allow_changes") or [])
         ckpt_path = config.get("ckpt_path")
         if ckpt_path == "last":
             if self.subcommand != "fit":
                 raise ConfigError("--ckpt_path last resumes training; give a file to test.")
-            config.ckpt_path = self._resolve_last(logger)
+            if not isinstance(logger, Namespace) or "init_args" not in logger:
+                raise ConfigError("--ckpt_path last needs the TensorBoard logger's run folders.")
+            version = last_of_same_experiment(_run_dir(logger), self.experiment, allowed)
+            logger.init_args.version = version.name
+            config.ckpt_path = str(version / LAST_CHECKPOINT)
         elif ckpt_path:
-            self._check_checkpoint(Path(ckpt_path), config)
+            check_checkpoint(Path(ckpt_path), self.experiment, allowed)
+            if self.subcommand == "fit" and isinstance(logger, Namespace) and "init_args" in logger:
+                version_name = version_holding(Path(ckpt_path), _run_dir(logger))
+                if version_name is not None:  # continue that run in its own folder
+                    logger.init_args.version = version_name
 
     def _job(self, config: Namespace) -> Job | None:
         """The job of ``runs`` (None: a single run), checked before anything is written."""
@@ -271,10 +180,7 @@ class PFLCLI(LightningCLI):
         logger = config.trainer.logger
         if not isinstance(logger, Namespace) or "init_args" not in logger:
             raise ConfigError("runs needs the TensorBoard logger: each run gets its own folder.")
-        dumped = json.loads(
-            self._parser(self.subcommand).dump(config, format="json", skip_none=False)
-        )
-        specs = expand(runs, flatten(dumped))
+        specs = expand(runs, flatten(self._dumped(config)))
         return Job(
             specs,
             Path(str(logger.init_args.save_dir)),
@@ -317,13 +223,10 @@ class PFLCLI(LightningCLI):
         """Fit a CLI built with ``run_subcommand=False`` (a run of a job)."""
         super()._run_subcommand("fit")
 
-    def _experiment(self, config: Namespace) -> dict[str, Any]:
-        """Every model and data argument that defines the experiment, flattened."""
-        dumped = json.loads(
-            self._parser(self.subcommand).dump(config, format="json", skip_none=False)
-        )
-        flat = flatten({"model": dumped["model"], "data": dumped["data"]})
-        return {k: v for k, v in flat.items() if k not in RUNTIME_KEYS}
+    def _dumped(self, config: Namespace) -> dict[str, Any]:
+        dumped = self._parser(self.subcommand).dump(config, format="json", skip_none=False)
+        parsed: dict[str, Any] = json.loads(dumped)
+        return parsed
 
     def _paper_record(self, config: Namespace) -> dict[str, Any] | None:
         """The fact-table check of the last config file (``lightning_pfl.papers``), announced
@@ -332,74 +235,10 @@ class PFLCLI(LightningCLI):
         if not files:
             return None
         path = Path(str(files[-1]))
-        dumped = json.loads(
-            self._parser(self.subcommand).dump(config, format="json", skip_none=False)
-        )
-        record = paper_record(path, flatten(dumped))
+        record = paper_record(path, flatten(self._dumped(config)))
         if record is not None:
             rank_zero_info(describe_record(path, record))
         return record
-
-    def _compare(self, saved: Mapping[str, Any] | None, source: str) -> None:
-        if saved is None:
-            raise ConfigError(
-                f"{source} was not written by a lightning-pfl run (no experiment record); "
-                "it cannot be checked against the config."
-            )
-        allowed = set(self.config[self.subcommand].get("allow_changes") or [])
-        found = [d for d in differences(saved, self.experiment) if d.split(":")[0] not in allowed]
-        if found:
-            raise ConfigError(
-                f"{source} belongs to a different experiment than this config: "
-                + "; ".join(found)
-                + ". Use the config it was trained with, or, if a difference is intended, list "
-                "its key in --allow_changes."
-            )
-
-    def _resolve_last(self, logger: Any) -> str:
-        if not isinstance(logger, Namespace) or "init_args" not in logger:
-            raise ConfigError("--ckpt_path last needs the TensorBoard logger's run folders.")
-        run_dir = Path(logger.init_args.save_dir) / str(logger.init_args.name)
-        candidates = checkpointed_versions(run_dir)
-        if not candidates:
-            raise ConfigError(
-                f"--ckpt_path last: no checkpoints/last.ckpt under {run_dir}/version_*; start "
-                "the run without --ckpt_path (checkpoints are written every "
-                "checkpoint.every_n_rounds rounds, every checkpoint.every_minutes and on stop)."
-            )
-        for version in candidates:
-            record = version / EXPERIMENT_FILE
-            saved = json.loads(record.read_text()) if record.exists() else None
-            try:
-                self._compare(saved, str(version / "checkpoints" / "last.ckpt"))
-            except ConfigError as mismatch:
-                if version == candidates[-1]:
-                    raise mismatch from None
-                continue
-            logger.init_args.version = version.name
-            return str(version / "checkpoints" / "last.ckpt")
-        raise AssertionError("unreachable")
-
-    def _check_checkpoint(self, path: Path, config: Namespace) -> None:
-        if not path.is_file():
-            raise ConfigError(f"--ckpt_path {path}: no such file.")
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:
-            raise ConfigError(
-                f"--ckpt_path {path} cannot be read as a checkpoint: {error}"
-            ) from error
-        self._compare(checkpoint.get("pfl", {}).get("experiment"), str(path))
-        logger = config.trainer.logger
-        version_dir = path.resolve().parent.parent
-        if (
-            self.subcommand == "fit"
-            and isinstance(logger, Namespace)
-            and "init_args" in logger
-            and version_dir.parent
-            == (Path(logger.init_args.save_dir) / str(logger.init_args.name)).resolve()
-        ):
-            logger.init_args.version = version_dir.name  # continue that run in its own folder
 
     # ----------------------------------------------------------------- before running
     def _prepare(self, stage: str) -> None:
@@ -429,93 +268,61 @@ class PFLCLI(LightningCLI):
             raise checkpoint.interrupted
         if self.config[self.subcommand].get("test_after_fit", True):
             self.trainer.test(self.model, datamodule=self.datamodule, verbose=True)
-        self._write_results()
+        self._write_results(announce=True)
 
     def after_test(self) -> None:
-        self._write_results()
+        self._write_results(announce=True)
 
     def after_validate(self) -> None:
         self._write_results()
 
-    def _write_results(self) -> None:
+    def _write_results(self, announce: bool = False) -> None:
+        """Write ``results.json`` (when there is a logger); ``announce``: also print the run's
+        result."""
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
-        if not self.trainer.is_global_zero or log_dir is None or self.trainer.logger is None:
+        if not self.trainer.is_global_zero:
             return
+        logger = self.trainer.logger
+        writes = log_dir is not None and logger is not None
+        if not (writes or announce):
+            return
+        results = self._results()
+        path = None
+        if writes:
+            path = os.path.join(str(log_dir), "results.json")
+            self.results_path = Path(path)
+            with open(path, "w") as f:
+                json.dump(results, f, indent=2, default=str)
+        if announce:
+            tensorboard = logger.log_dir if isinstance(logger, TensorBoardLogger) else None
+            print("\n".join(result_lines(results, path, tensorboard)), flush=True)
+
+    def _results(self) -> dict[str, Any]:
         assert isinstance(self.model, FederatedMethod)
-        parser = self._parser(self.subcommand)
-        config = parser.dump(self.config[self.subcommand], format="json", skip_none=False)
-        results = {
+        return {
             **self.model.results(),
             "subcommand": self.subcommand,
             **({"paper": self.paper} if self.paper is not None else {}),
-            "config": json.loads(config),
+            "config": self._dumped(self.config[self.subcommand]),
         }
-        path = os.path.join(log_dir, "results.json")
-        self.results_path = Path(path)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2, default=str)
 
 
-def _check_trainer(trainer: Namespace, subcommand: str) -> None:
-    """Refuse trainer settings that make a federated run meaningless."""
-    problems = []
-    precision = str(trainer.get("precision"))
-    if precision.startswith("16") or precision == "16":
-        problems.append(
-            f"trainer.precision = {precision} needs gradient scaling, which client training "
-            "does not do (on CPU Lightning would silently run bf16): use 'bf16-mixed' or "
-            "'32-true'"
+def _check_links(config: Namespace) -> None:
+    """Refuse model arguments that the DataModule sets (they would be silently replaced)."""
+    given = [name for name in LINKED_FROM_DATA if config.model.init_args.get(name) is not None]
+    if given:
+        raise ConfigError(
+            "; ".join(
+                f"model.init_args.{name} comes from the data section: remove it from the "
+                f"model section ({LINKED_FROM_DATA[name]})"
+                for name in given
+            )
+            + "."
         )
-    max_steps = trainer.get("max_steps")
-    if subcommand == "fit":
-        if max_steps is None or max_steps == 0 or (max_steps < 0 and not trainer.get("max_time")):
-            problems.append(
-                f"trainer.max_steps = {max_steps} is the number of rounds: give a positive "
-                "number (one training step is one round)"
-            )
-        interval = trainer.get("val_check_interval")
-        if isinstance(interval, float) and not float(interval).is_integer():
-            problems.append(
-                f"trainer.val_check_interval = {interval}: give the number of rounds between "
-                "evaluations as an integer (a round loader has no epochs to take a fraction of)"
-            )
-        elif (
-            isinstance(interval, (int, float))
-            and max_steps
-            and max_steps > 0
-            and not 1 <= interval <= max_steps
-        ):
-            problems.append(
-                f"trainer.val_check_interval = {interval} with trainer.max_steps = "
-                f"{max_steps}: validation would never run; use 1..{max_steps}"
-            )
-        if trainer.get("check_val_every_n_epoch") is not None:
-            problems.append(
-                "trainer.check_val_every_n_epoch must be null: rounds never end an epoch; set "
-                "trainer.val_check_interval (rounds between evaluations)"
-            )
-        limit = trainer.get("limit_train_batches")
-        if limit not in (None, 1.0, 1):
-            problems.append(
-                f"trainer.limit_train_batches = {limit}: set the number of rounds with "
-                "trainer.max_steps instead"
-            )
-        if trainer.get("accumulate_grad_batches") not in (None, 1):
-            problems.append("trainer.accumulate_grad_batches must be 1 (one step is one round)")
-    if problems:
-        raise ConfigError("Invalid trainer settings: " + "; ".join(problems) + ".")
 
 
-def _default_logger_name(args: list[str]) -> None:
-    """Put the run name derived from ``--config`` into the defaults (shown by --print_config)."""
-    configs = [
-        a.split("=", 1)[1] if "=" in a else args[i + 1]
-        for i, a in enumerate(args)
-        if a.split("=", 1)[0] in ("--config", "-c") and ("=" in a or i + 1 < len(args))
-    ]
-    TRAINER_DEFAULTS["logger"]["init_args"]["name"] = (
-        _config_path_name(configs) if configs else None
-    )
+def _run_dir(logger: Namespace) -> Path:
+    return Path(logger.init_args.save_dir) / str(logger.init_args.name)
 
 
 def run(
@@ -526,14 +333,19 @@ def run(
     """Run the CLI with ``args`` (default: ``sys.argv``) and return it (for scripts and tests);
     ``callbacks`` are added to the trainer's. ``run_subcommand=False``: parse, check and build
     only (:meth:`PFLCLI.fit_now` runs it)."""
+    quiet_third_party()
     argv = list(args if args is not None else sys.argv[1:])
-    _default_logger_name(argv)
+    logger = default_logger(argv)
     return PFLCLI(
         FederatedMethod,
         FederatedDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        trainer_defaults={**TRAINER_DEFAULTS, **({"callbacks": callbacks} if callbacks else {})},
+        trainer_defaults={
+            **TRAINER_DEFAULTS,
+            "logger": logger,
+            **({"callbacks": callbacks} if callbacks else {}),
+        },
         save_config_kwargs={"overwrite": True},
         argv=argv,
         args=args,
@@ -543,28 +355,15 @@ def run(
     )
 
 
-def _user_error(error: BaseException) -> PFLError | None:
-    """The PFLError that caused ``error`` (jsonargparse wraps errors raised while building a
-    class in its own ValueError, with the original as its cause), or None."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, PFLError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
-
-
 def main(args: list[str] | None = None) -> int:
     """Entry point of ``lightning-pfl`` and ``python cli.py``; returns the exit status."""
     try:
         run(args)
     except Exception as error:
-        found = _user_error(error)
+        found = user_error(error)
         if found is None or os.environ.get("PFL_DEBUG") == "1":
             raise
-        sys.stderr.write(f"lightning-pfl: error: {found}\n(set PFL_DEBUG=1 for the traceback)\n")
+        sys.stderr.write(report(found))
         return found.exit_code
     return 0
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -13,9 +12,11 @@ from jsonargparse import lazy_instance
 from lightning import LightningDataModule
 from torch import Tensor
 
+from lightning_pfl.client_index import ClientIndex, draw_batches
 from lightning_pfl.datasets import DatasetArrays, dataset_spec, load_dataset
-from lightning_pfl.engine import ClientBatches, Params
+from lightning_pfl.engine import ClientBatches
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.eval_blocks import ClientsBySize, eval_blocks, ragged_eval_blocks
 from lightning_pfl.partition import (
     ClassesPerClient,
     IndexLists,
@@ -34,34 +35,6 @@ from lightning_pfl.validation import (
 )
 
 Split = Literal["train", "val", "test"]
-
-
-@dataclass
-class ClientIndex:
-    """The samples of every client in one split, grouped by client (CSR layout)."""
-
-    flat: Tensor  # [total] indices into the pooled inputs, client 0's first
-    offsets: Tensor  # [n] start of each client's run in ``flat``
-    counts: Tensor  # [n] samples per client
-
-    @classmethod
-    def from_lists(cls, parts: IndexLists, device: torch.device) -> ClientIndex:
-        counts = torch.tensor([len(p) for p in parts], dtype=torch.int64)
-        offsets = torch.cumsum(counts, 0) - counts
-        flat = torch.from_numpy(np.concatenate(parts).astype(np.int64)) if parts else torch.zeros(0)
-        return cls(flat.to(device), offsets.to(device), counts.to(device))
-
-    def lookup(self, clients: Tensor, positions: Tensor) -> Tensor:
-        """Pooled-input index of position ``positions[c, ...]`` of client ``clients[c]``.
-
-        Positions past a client's count wrap around its samples, so the padding of a batch
-        repeats the client's own samples in turn (batch-norm statistics of a padded batch are
-        not dominated by one repeated image).
-        """
-        counts = self.counts[clients].view(-1, *([1] * (positions.dim() - 1)))
-        safe = positions % counts.clamp_min(1)
-        offsets = self.offsets[clients].view_as(counts)
-        return self.flat[offsets + safe]
 
 
 class RoundIndices:
@@ -358,48 +331,16 @@ class FederatedDataModule(LightningDataModule):
         epochs: int | None = None,
         split: Split = "train",
     ) -> ClientBatches:
-        """Draw the local-training batches of ``clients`` by index, on the data device.
-
-        ``steps=K``: K batches, each ``min(batch_size, n_i)`` distinct random samples (pFedHN's
-        "fresh random batch per inner step"). ``epochs=E``: E shuffled passes over each
-        client's data in batches of ``batch_size`` (the last one smaller), so client i takes
-        ``E * ceil(n_i / batch_size)`` steps; clients that finish early idle.
-        """
-        if (steps is None) == (epochs is None):
-            raise ValueError("give exactly one of steps or epochs")
-        idx = self.index[split]
-        counts = idx.counts[clients]
-        n_max = int(counts.max())
-        batch = min(batch_size, n_max)
-        positions = torch.arange(n_max, device=self.device)
-        invalid = positions >= counts.view(-1, 1)  # [C, n_max]
-        reps = steps if steps is not None else epochs
-        assert reps is not None
-        keys = torch.rand(len(clients), reps, n_max, generator=generator, device=self.device)
-        keys = keys.masked_fill(invalid.unsqueeze(1), 2.0)
-        if steps is not None:
-            chosen = keys.topk(batch, dim=-1, largest=False, sorted=False).indices  # [C, S, B]
-        else:
-            perm = keys.argsort(dim=-1)
-            per_epoch = math.ceil(n_max / batch)
-            pad = per_epoch * batch - n_max
-            padding = torch.arange(n_max, n_max + pad, device=self.device)
-            perm = torch.cat([perm, padding.expand(*perm.shape[:2], pad)], -1)
-            chosen = perm.view(len(clients), reps * per_epoch, batch)
-        weight = (chosen < counts.view(-1, 1, 1)).float()
-        return ClientBatches(idx.lookup(clients, chosen), weight, weight.amax(-1) > 0)
+        """Draw the local-training batches of ``clients`` in ``split`` by index, on the data
+        device (:func:`~lightning_pfl.client_index.draw_batches`)."""
+        return draw_batches(self.index[split], clients, batch_size, generator, steps, epochs)
 
     def eval_blocks(
         self, clients: Tensor, split: Split, block: int
     ) -> Iterator[tuple[Tensor, Tensor]]:
-        """Yield ``(index [C, b], weight [C, b])`` blocks covering every sample of ``clients``."""
-        idx = self.index[split]
-        counts = idx.counts[clients]
-        n_max = int(counts.max()) if len(clients) else 0
-        for start in range(0, n_max, block):
-            positions = torch.arange(start, min(start + block, n_max), device=self.device)
-            positions = positions.expand(len(clients), -1)
-            yield idx.lookup(clients, positions), (positions < counts.view(-1, 1)).float()
+        """Yield ``(index [C, b], weight [C, b])`` blocks covering every sample of ``clients``
+        (:func:`~lightning_pfl.eval_blocks.eval_blocks`)."""
+        return eval_blocks(self.index[split], clients, block)
 
     def ragged_eval_blocks(
         self,
@@ -409,35 +350,9 @@ class FederatedDataModule(LightningDataModule):
         levels: int = 16,
         min_saving: int = 32,
     ) -> Iterator[tuple[int, Tensor, Tensor]]:
-        """:meth:`eval_blocks` without most of the padding of unequal clients.
-
-        ``clients`` must come in descending order of their sample count in ``split``. Yields
-        ``(k, index [k, b], weight [k, b])``: the positions ``[start, start + b)`` of the first
-        ``k`` clients, the ones holding more than ``start`` samples. Blocks end at the sample
-        counts of ``levels`` evenly spaced ranks (and at most ``block`` apart), so a client is
-        padded only up to the next such count instead of up to the largest client. An end
-        that saves fewer than ``min_saving`` padded samples is dropped (cheapest first): each
-        block is one more network call, which costs more than that little computation (the
-        measured effect: docs/performance.md).
-        """
-        idx = self.index[split]
-        counts = idx.counts[clients]
-        if len(clients) == 0:
-            return
-        host = counts.tolist()
-        if any(a < b for a, b in zip(host, host[1:], strict=False)):
-            raise ValueError("ragged_eval_blocks needs clients in descending order of samples")
-        ranks = {min(len(host) - 1, len(host) * level // levels) for level in range(levels)}
-        ends = _worthwhile_ends(host, sorted({host[rank] for rank in ranks} - {0}), min_saving)
-        start = 0
-        for end in ends:
-            while start < end:
-                stop = min(start + block, end)
-                k = sum(count > start for count in host)
-                positions = torch.arange(start, stop, device=self.device).expand(k, -1)
-                weight = (positions < counts[:k].view(-1, 1)).float()
-                yield k, idx.lookup(clients[:k], positions), weight
-                start = stop
+        """:meth:`eval_blocks` without most of the padding of unequal clients, for clients in
+        descending order of samples (:func:`~lightning_pfl.eval_blocks.ragged_eval_blocks`)."""
+        return ragged_eval_blocks(self.index[split], clients, block, levels, min_saving)
 
     def by_size(self, clients: Tensor, split: Split) -> ClientsBySize:
         """``clients`` in descending order of their samples in ``split``, for passes over
@@ -460,66 +375,6 @@ class FederatedDataModule(LightningDataModule):
 
     def test_dataloader(self) -> ClientChunks:
         return ClientChunks(self.client_chunks())
-
-
-class ClientsBySize:
-    """A pass over every sample of ``clients`` in ``split`` without padding them all to the
-    largest client (:meth:`FederatedDataModule.ragged_eval_blocks`).
-
-    The pass runs in descending order of sample count: :meth:`sort` reorders per-client tensors
-    once, each block of :meth:`blocks` concerns the first ``k`` clients of that order (slice
-    tensors and accumulators with ``[:k]``), and :meth:`unsort` puts per-client results back in
-    the order of ``clients``.
-    """
-
-    def __init__(self, data: FederatedDataModule, clients: Tensor, split: Split) -> None:
-        self.data, self.split = data, split
-        self.order = data.num_samples(split)[clients].argsort(descending=True, stable=True)
-        self.sorted = bool(
-            torch.equal(self.order, torch.arange(len(clients), device=self.order.device))
-        )
-        self.clients = clients if self.sorted else clients[self.order]
-
-    def sort(self, params: Params) -> Params:
-        """Per-client tensors ``[C, ...]`` in the pass's order (shared stride-0 ones kept)."""
-        if self.sorted:
-            return params
-        return {k: v if v.stride(0) == 0 else v[self.order] for k, v in params.items()}
-
-    def unsort(self, values: Tensor) -> Tensor:
-        """Per-client results ``[C, ...]`` of the pass back in the order of the clients."""
-        return values if self.sorted else values[self.order.argsort()]
-
-    def blocks(self, block: int) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
-        """Yield ``(k, x [k, b, ...], y [k, b], weight [k, b])`` for the first ``k`` clients."""
-        for k, index, weight in self.data.ragged_eval_blocks(self.clients, self.split, block):
-            x, y = self.data.fetch(index)
-            yield k, x, y, weight
-
-
-def _worthwhile_ends(counts: list[int], ends: list[int], min_saving: int) -> list[int]:
-    """``ends`` (ascending) without the block ends that save fewer than ``min_saving`` padded
-    samples of the descending ``counts``, removed cheapest first; the last end always stays.
-
-    Ending a block at ``ends[i]`` instead of ``ends[i + 1]`` spares the clients that hold more
-    than ``ends[i - 1]`` but at most ``ends[i]`` samples ``ends[i + 1] - ends[i]`` positions.
-    """
-    ends = list(ends)
-
-    def holding_more_than(n: int) -> int:
-        return sum(count > n for count in counts)
-
-    while len(ends) > 1:
-        savings = [
-            (holding_more_than(ends[i - 1] if i else 0) - holding_more_than(ends[i]))
-            * (ends[i + 1] - ends[i])
-            for i in range(len(ends) - 1)
-        ]
-        cheapest = min(range(len(savings)), key=savings.__getitem__)
-        if savings[cheapest] >= min_saving:
-            break
-        del ends[cheapest]
-    return ends
 
 
 def _cat_optional(a: Tensor | None, b: Tensor | None) -> np.ndarray | None:

@@ -12,7 +12,7 @@ import torch
 
 import lightning_pfl.execution as execution
 from benchmarks import evaluation, report, speed
-from lightning_pfl.cli import checkpointed_versions
+from lightning_pfl.experiment import checkpointed_versions
 from tests.conftest import build, digits_data
 from tests.helpers import CONF, cli, run_dir
 

@@ -1,7 +1,10 @@
+import logging
+import warnings
 from pathlib import Path
 
 import pytest
 
+from lightning_pfl.console import result_lines
 from lightning_pfl.errors import ConfigError
 from tests.helpers import CONF, assert_resume_is_exact, cli, run_dir
 
@@ -81,3 +84,77 @@ def test_nan_loss_keeps_the_last_checkpoint_and_says_how_to_continue(tmp_path: P
 def test_impossible_split_fails_early(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="only 10 classes"):
         cli(CONFIGS[0], tmp_path, "--data.init_args.partition.init_args.classes=11")
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_fit_ends_with_its_result_and_no_third_party_noise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = CONF / "fedavg.yaml"
+    catcher = Records()
+    logging.getLogger("lightning.pytorch").addHandler(catcher)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fitted = cli(config, tmp_path)
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(catcher)
+    lines = capsys.readouterr().out.splitlines()
+    folder = run_dir(tmp_path, config)
+    best, last = fitted["test_at_best_val"], fitted["test_last"]
+    assert lines[-5].split() == ["FedAvg", "test", "accuracy", "mean", "over", "clients", "pooled"]
+    assert lines[-4].split() == [
+        "best",
+        "val/acc",
+        "round",
+        str(fitted["best_round"]),
+        f"{best['acc']:.4f}",
+        f"{best['acc_weighted']:.4f}",
+    ]
+    assert lines[-3].split() == [
+        "last",
+        "round",
+        "4",
+        f"{last['acc']:.4f}",
+        f"{last['acc_weighted']:.4f}",
+    ]
+    assert lines[-2] == f"results: {folder / 'results.json'}"
+    assert lines[-1] == f"TensorBoard: tensorboard --logdir {folder}"
+    messages = [r.getMessage() for r in catcher.records]
+    assert any("GPU available" in m for m in messages)  # Lightning's own lines still come
+    assert not [m for m in messages if "litlogger" in m or "litmodels" in m]
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+
+
+def test_result_lines_say_what_was_not_evaluated() -> None:
+    results = {
+        "method": "FedAvg",
+        "subcommand": "fit",
+        "rounds": 7,
+        "select_metric": "acc_weighted",
+        "best_round": 5,
+        "test_at_best_val": {"acc": 0.5, "acc_weighted": 0.25},
+        "test_last": None,
+    }
+    lines = result_lines(results, "run/results.json", None)
+    assert lines[1].split() == ["best", "val/acc_weighted", "round", "5", "0.5000", "0.2500"]
+    assert lines[2].split()[:3] == ["last", "round", "7"]
+    assert "--test_after_fit false" in lines[2]
+    assert lines[-1] == "results: run/results.json"  # no TensorBoard logger: no such line
+    unvalidated = {**results, "best_round": None, "test_at_best_val": None}
+    assert "no validation ran" in result_lines(unvalidated, "r.json", None)[1]
+    tested = {**results, "subcommand": "test", "test_last": {"acc": 1.0, "acc_weighted": 1.0}}
+    assert result_lines(tested, "r.json", None)[2].split()[:4] == [
+        "checkpoint's",
+        "round",
+        "7",
+        "1.0000",
+    ]

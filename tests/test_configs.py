@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_pfl.cli import flatten, run
+from lightning_pfl.cli import run
+from lightning_pfl.experiment import flatten
 from lightning_pfl.papers import PaperEntry, load_fact_tables, overrides
 
 ROOT = Path(__file__).parents[1]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lightning_pfl import FederatedDataModule
-from lightning_pfl.datamodule import _worthwhile_ends
+from lightning_pfl.eval_blocks import _worthwhile_ends
 from lightning_pfl.partition import Dirichlet, PartitionError
 from tests.conftest import digits_data
 

@@ -8,7 +8,7 @@ from PIL import Image
 
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.datasets import DATASETS, load_dataset
-from lightning_pfl.datasets.registry import CorruptDatasetError, DatasetNotFoundError
+from lightning_pfl.datasets.files import CorruptDatasetError, DatasetNotFoundError
 from lightning_pfl.partition import Shards
 from tests.data.fake_datasets import (
     TINY_IMAGENET_WNIDS,

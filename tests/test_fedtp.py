@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.func import functional_call, vmap
 
+from lightning_pfl.attention_maps import attention_pictures, embedding_figure, embedding_projection
 from lightning_pfl.engine import Architecture
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import (
@@ -367,14 +368,12 @@ def test_noise_split_grows_with_the_client_index() -> None:
 
 
 def test_attention_pictures_and_embedding_projection() -> None:
-    from lightning_pfl.methods.fedtp import embedding_figure
-
     method = small(FedTP)
-    pictures = method.attention_pictures(torch.tensor([0, 4]), images=3)
+    pictures = attention_pictures(method, torch.tensor([0, 4]), images=3)
     assert pictures.shape == (2, 3, 3, 8, 8)
     assert float(pictures.min()) >= 0 and float(pictures.max()) <= 1
     assert not torch.allclose(pictures[0], pictures[1])  # each client's own model and images
-    points = method.embedding_projection()
+    points = embedding_projection(method.hnet.embeddings.weight)
     assert points.shape == (6, 2)
     torch.testing.assert_close(points.mean(0), torch.zeros(2), atol=1e-5, rtol=0)
     assert embedding_figure(points).axes
@@ -384,8 +383,6 @@ def test_attention_pictures_and_embedding_projection() -> None:
 def test_attention_pictures_of_the_other_t_methods(cls: type[FederatedMethod]) -> None:
     """Local-T, FedAvg-T and Vanilla Personalized-T have attention maps too (the paper's
     figures compare them with FedTP's)."""
-    from lightning_pfl.methods.fedtp import attention_pictures
-
     method = small(cls)
     method.run_round(0, torch.tensor([0, 2, 4]))  # Local and Vanilla-T: clients 0, 4 differ
     pictures = attention_pictures(method, torch.tensor([0, 4]), images=3)

@@ -9,7 +9,8 @@ import torch
 
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.datasets import load_dataset
-from lightning_pfl.datasets.registry import LEAF_LETTERS, DatasetNotFoundError
+from lightning_pfl.datasets.files import DatasetNotFoundError
+from lightning_pfl.datasets.leaf import LEAF_LETTERS
 from lightning_pfl.errors import ConfigError
 from tests.data.leaf import write_leaf
 

@@ -439,7 +439,10 @@ def test_frozen_clients_keep_their_last_layers_at_the_generated_values() -> None
     cnn = plain.zoo.members("cnn").tolist()
     method = build_mh(frozen_clients=[cnn[0]], frozen_layers=2, **options)
     names = ("fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias")  # Table 14: the last layers
-    assert method.frozen_names["cnn"] == names and method.frozen.nonzero()[:, 0].tolist() == cnn[:1]
+    assert (
+        method.fixed_names["cnn"] == names
+        and method.constrained.nonzero()[:, 0].tolist() == cnn[:1]
+    )
     clients = torch.tensor(sorted([*cnn, *plain.zoo.members("mlp").tolist()]))
     seen, reference = spy_client_updates(method), spy_client_updates(plain)
     method.run_round(0, clients)
@@ -494,10 +497,10 @@ def test_a_registry_global_net_gets_its_own_size_and_trains_in_a_round() -> None
 def test_frozen_and_global_client_options_are_seeded_and_validated() -> None:
     a, b = build_mh(MHPFedHNG, frozen_clients=0.5, global_clients=0.5), build_mh(frozen_clients=0.5)
     assert isinstance(a, MHPFedHNG)
-    assert int(a.frozen.sum()) == 3 and torch.equal(a.frozen, b.frozen)
-    assert int(a.holds_global.sum()) == 3 and not torch.equal(a.frozen, a.holds_global)
+    assert int(a.constrained.sum()) == 3 and torch.equal(a.constrained, b.constrained)
+    assert int(a.holds_global.sum()) == 3 and not torch.equal(a.constrained, a.holds_global)
     assert a.results()["global_clients"] == a.holds_global.nonzero()[:, 0].tolist()
-    assert not build_mh().freezes and build_mh(MHPFedHNG).holds_global.all()
+    assert not build_mh().any_constrained and build_mh(MHPFedHNG).holds_global.all()
     bad: list[tuple[dict[str, Any], str]] = [
         ({"frozen_clients": 1.5}, "model.init_args.frozen_clients"),
         ({"frozen_clients": [0, 6]}, "model.init_args.frozen_clients"),

@@ -17,8 +17,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_pfl.cli import _config_path_name, run
+from lightning_pfl.cli import run
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.run_names import config_path_name
 from tests.helpers import CONF, cli, run_dir
 
 ROOT = Path(__file__).parents[1]
@@ -139,8 +140,8 @@ def test_last_resumes_only_a_run_of_the_same_experiment(tmp_path: Path) -> None:
 
 
 def test_configs_with_the_same_file_name_get_different_run_folders() -> None:
-    a = _config_path_name([ROOT / "configs" / "digits" / "pfedhn.yaml"])
-    b = _config_path_name([ROOT / "configs" / "fashion_mnist" / "pfedhn.yaml"])
+    a = config_path_name([ROOT / "configs" / "digits" / "pfedhn.yaml"])
+    b = config_path_name([ROOT / "configs" / "fashion_mnist" / "pfedhn.yaml"])
     assert (a, b) == ("digits/pfedhn", "fashion_mnist/pfedhn")
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pfl.assignment import GroupShare
 from lightning_pfl.engine import (
     Architecture,
     LossFn,
@@ -116,9 +117,9 @@ class FedAKT(HeterogeneousModels):
             n: state[n].detach().expand(len(clients), *state[n].shape) for n in self.shared_names()
         }
         trained = {n: t.clone() for n, t in sent.items()}
-        losses = torch.zeros(len(clients), device=self.device)
-        for kind, rows in self.groups.split(clients):
-            members = clients[rows]
+
+        def train(group: GroupShare) -> Tensor:
+            kind, rows, members = group.name, group.rows, group.members
             model = {f"model.{n}": t for n, t in self.gather_models(kind, members).items()}
             adapter = {f"adapter.{n}": t[rows].clone() for n, t in sent.items()}
             result = self.local_train(
@@ -127,7 +128,7 @@ class FedAKT(HeterogeneousModels):
                 round_idx,
                 loss_fn=self.losses[kind],
                 batches=batches.select(rows),
-                arch=self.groups.archs[kind],
+                arch=group.arch,
             )
             self.scatter_models(
                 kind,
@@ -136,7 +137,9 @@ class FedAKT(HeterogeneousModels):
             )
             for n in trained:
                 trained[n][rows] = result.params[f"adapter.{n}"]
-            losses[rows] = result.loss
+            return result.loss
+
+        losses = self.groups.train_groups(clients, train)
         weights = self.client_weights(clients)
         for n in trained:
             state[n].grad = state[n].detach() - client_mean(trained[n], weights).to(state[n].dtype)

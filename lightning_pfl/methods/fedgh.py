@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vmap
 
-from lightning_pfl.assignment import NetworkGroups
+from lightning_pfl.assignment import GroupShare, NetworkGroups
 from lightning_pfl.datamodule import Split
 from lightning_pfl.engine import Architecture, LossFn, Params, cross_entropy_loss
 from lightning_pfl.errors import ConfigError
@@ -168,12 +168,12 @@ class FedGH(HeterogeneousModels):
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         h = self.hp
         batches = self.draw_batches(clients, round_idx)
-        losses = torch.zeros(len(clients), device=self.device)
         d = self.header.weight.shape[1]
         reps = torch.zeros(len(clients), h.num_classes, d, device=self.device)
         counts = torch.zeros(len(clients), h.num_classes, device=self.device)
-        for kind, rows in self.groups.split(clients):
-            members, arch = clients[rows], self.groups.archs[kind]
+
+        def train(group: GroupShare) -> Tensor:
+            kind, rows, members, arch = group.name, group.rows, group.members, group.arch
             params = self.gather_models(kind, members)
             weight_name, bias_name = self.header_names[kind]
             params[weight_name] = self.header.weight.detach().expand(len(rows), -1, -1).clone()
@@ -187,8 +187,10 @@ class FedGH(HeterogeneousModels):
                 arch=arch,
             )
             self.scatter_models(kind, members, result.params)
-            losses[rows] = result.loss
             reps[rows], counts[rows] = self.class_representations(arch, result.params, members)
+            return result.loss
+
+        losses = self.groups.train_groups(clients, train)
         present = counts > 0  # the server's one look at what was uploaded
         uploaded = reps[present]
         labels = present.nonzero()[:, 1]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_pfl.assignment import NetworkGroups
+from lightning_pfl.assignment import GroupShare, NetworkGroups
 from lightning_pfl.engine import Architecture, LossFn, Params, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
@@ -184,13 +184,14 @@ class FedSimSup(FederatedMethod):
         supervisor_batches = self.draw_batches(clients, round_idx, h.supervisor_epochs, phase=1)
         model_batches = self.draw_batches(clients, round_idx, h.model_epochs, phase=2)
         trained = {n: t.clone() for n, t in theta.items()}
-        loss_sum = torch.zeros(len(clients), device=self.device)
-        steps = torch.zeros_like(loss_sum)
-        for kind, rows in self.supervisors.split(clients):
-            members, field = clients[rows], f"supervisor.{kind}"
+
+        def train(group: GroupShare) -> Tensor:
+            kind, rows, members = group.name, group.rows, group.members
             loss_fn = self.joint_losses[kind]
             model = {f"theta.{n}": t[rows] for n, t in theta.items()}
             sup = {f"sup.{kind}.{n}": t for n, t in self._gather_supervisors(kind, members).items()}
+            loss_sum = torch.zeros(len(rows), device=self.device)
+            steps = torch.zeros_like(loss_sum)
             for phase, batches in ((sup, supervisor_batches), (model, model_batches)):
                 frozen = model if phase is sup else sup
                 result = self.local_train(
@@ -202,21 +203,24 @@ class FedSimSup(FederatedMethod):
                     batches=batches.select(rows),
                 )
                 phase.update(result.params)
-                loss_sum[rows] += result.loss * result.steps
-                steps[rows] += result.steps
+                loss_sum += result.loss * result.steps
+                steps += result.steps
             prefix = len(f"sup.{kind}.")
             self.store.scatter(
-                field,
+                f"supervisor.{kind}",
                 self.supervisors.row_of[members.cpu()],
                 {n[prefix:]: t for n, t in sup.items()},
             )
             for n in trained:
                 trained[n][rows] = model[f"theta.{n}"]
+            return loss_sum / steps.clamp_min(1)
+
+        losses = self.supervisors.train_groups(clients, train)
         self.store.scatter("theta", clients, trained)
         if h.aggregation != "none":
             self._mix_others(clients, trained)
         self.record_communication(down=theta, up=trained)
-        return loss_sum / steps.clamp_min(1)
+        return losses
 
     def _gather_supervisors(self, kind: str, clients: Tensor) -> Params:
         return self.store.gather(

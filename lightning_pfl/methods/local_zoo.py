@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pfl.assignment import GroupShare
 from lightning_pfl.engine import LossFn, cross_entropy_loss
 from lightning_pfl.methods.fedgh import HeterogeneousModels
 
@@ -40,9 +41,9 @@ class HeterogeneousLocal(HeterogeneousModels):
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         batches = self.draw_batches(clients, round_idx)
-        losses = torch.zeros(len(clients), device=self.device)
-        for kind, rows in self.groups.split(clients):
-            members = clients[rows]
+
+        def train(group: GroupShare) -> Tensor:
+            kind, members = group.name, group.members
             store_rows = self.groups.row_of[members.cpu()]
             result = self.local_train(
                 self.gather_models(kind, members),
@@ -50,10 +51,11 @@ class HeterogeneousLocal(HeterogeneousModels):
                 round_idx,
                 loss_fn=self.losses[kind],
                 momentum=self.store.gather(f"momentum.{kind}", store_rows, self.device),
-                batches=batches.select(rows),
-                arch=self.groups.archs[kind],
+                batches=batches.select(group.rows),
+                arch=group.arch,
             )
             self.scatter_models(kind, members, result.params)
             self.store.scatter(f"momentum.{kind}", store_rows, result.momentum)
-            losses[rows] = result.loss
-        return losses
+            return result.loss
+
+        return self.groups.train_groups(clients, train)

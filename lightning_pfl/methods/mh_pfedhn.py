@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
-from lightning_pfl.assignment import NetworkGroups
+from lightning_pfl.assignment import GroupShare, NetworkGroups
 from lightning_pfl.engine import (
     Architecture,
     ClientBatches,
@@ -50,11 +50,11 @@ from lightning_pfl.validation import (
 )
 
 Fraction = Annotated[float, Range(gt=0, le=1)]
-# Keys of the per-client tensors handed to the local loss next to a model's own tensors:
-FREEZE = "freeze"  # [C] bool: the client holds its last layers at their generated values
-GENERATED = "generated."  # + tensor name: the generated value of a frozen tensor
+# Keys of the per-client context tensors handed to the local loss next to a model's own tensors:
+CONSTRAINED = "constrained"  # [C] bool: a resource-constrained client (holds its fixed layers)
+GENERATED = "generated."  # + tensor name: the generated value of a fixed tensor
 HOLDS = "holds_global"  # [C] bool: the client holds the global model (distils from it)
-FROZEN_STREAM, GLOBAL_STREAM = 11, 12  # seeded draws of the frozen clients and the holders
+CONSTRAINED_STREAM, GLOBAL_STREAM = 11, 12  # seeded draws of the constrained clients, holders
 RECALIBRATION_STREAM = 13  # the batches evaluation re-estimates batch-norm statistics on
 
 
@@ -107,9 +107,9 @@ class MHPFedHN(FederatedMethod):
             ids. Their last ``frozen_layers`` generated layers keep the generated values
             throughout local training (their delta is exactly 0); the rest trains as usual and
             the server update is unchanged. Within an architecture's vmapped group the choice
-            is a per-client mask (no per-client loop); the frozen tensors' gradients are still
+            is a per-client mask (no per-client loop); the fixed tensors' gradients are still
             computed (as zeros), so the saving is simulated, not realized.
-        frozen_layers: how many of the last (generated) layers a frozen client holds fixed
+        frozen_layers: how many of the last (generated) layers a constrained client holds fixed
             (Table 14 freezes the last layers); layers counted as for ``local_layers``; every
             architecture must keep at least one layer trainable.
         recalibrate_batch_norm: before evaluating, each client re-estimates its batch-norm
@@ -188,16 +188,20 @@ class MHPFedHN(FederatedMethod):
             if kept:
                 rows = len(self.zoo.members(kind))
                 self.store.add_field(f"local.{kind}", {n: initial[n] for n in kept}, rows)
-        self.frozen = client_subset(
-            frozen_clients, h.num_clients, h.seed, FROZEN_STREAM, "model.init_args.frozen_clients"
+        self.constrained = client_subset(
+            frozen_clients,
+            h.num_clients,
+            h.seed,
+            CONSTRAINED_STREAM,
+            "model.init_args.frozen_clients",
         )
-        self.freezes = bool(self.frozen.any())
-        self.frozen_names = {
+        self.any_constrained = bool(self.constrained.any())
+        self.fixed_names = {  # the generated tensors a constrained client holds fixed
             kind: last_layers(codec.names, frozen_layers, kind, "frozen_layers")
             for kind, codec in self.codecs.items()
         }
         self.losses = {
-            kind: self.freezing(kind, cross_entropy_loss(arch))
+            kind: self.with_fixed_layers(kind, cross_entropy_loss(arch))
             for kind, arch in self.zoo.archs.items()
         }
         for kind, arch in self.zoo.archs.items():
@@ -242,9 +246,9 @@ class MHPFedHN(FederatedMethod):
         round_idx: int,
         batches: ClientBatches,
         loss_fn: LossFn,
-        frozen: Params | None = None,
+        context: Params | None = None,
         buffers: tuple[str, Tensor] | None = None,
-        freeze: tuple[Tensor, tuple[str, ...]] | None = None,
+        fixed: tuple[Tensor, tuple[str, ...]] | None = None,
         local: tuple[str, Tensor] | None = None,
     ) -> tuple[Tensor, Params, Tensor]:
         """``clients`` (all of architecture ``arch``) train the model decoded from ``flat``.
@@ -252,19 +256,21 @@ class MHPFedHN(FederatedMethod):
         Returns the flat delta g - g~ (sparsified to ``upload_fraction``), the trained
         parameters and buffers (kept by the clients) and the mean training loss per client.
         Batch-norm buffers are read from and written back to the store's ``buffers`` =
-        (field, rows). ``freeze`` = (per-client mask ``[C]``, tensor names): the masked clients
+        (field, rows). ``context``: per-client tensors the loss reads (MH-pFedHNGD's teachers).
+        ``fixed`` = (per-client mask ``[C]``, tensor names): the masked (constrained) clients
         hold those tensors at their generated values (``loss_fn`` must come from
-        :meth:`freezing`); they come back unchanged and their delta entries are exactly 0.
+        :meth:`with_fixed_layers`); they come back unchanged and their delta entries are
+        exactly 0.
         ``local`` = (field, rows) of the tensors the clients keep to themselves (Table 13):
         trained with the rest and written back, never part of the delta.
         """
         params = codec.to_params(flat)
         if local is not None:
             params |= self.store.gather(*local, self.device)
-        fixed = dict(frozen or {})
-        if freeze is not None:
-            mask, names = freeze
-            fixed |= {FREEZE: mask} | {GENERATED + n: params[n] for n in names}
+        read = dict(context or {})
+        if fixed is not None:
+            mask, names = fixed
+            read |= {CONSTRAINED: mask} | {GENERATED + n: params[n] for n in names}
         if arch.stateful and buffers is not None:
             params |= self.store.gather(*buffers, self.device)
         result = self.local_train(
@@ -272,7 +278,7 @@ class MHPFedHN(FederatedMethod):
             clients,
             round_idx,
             loss_fn=loss_fn,
-            frozen=fixed or None,
+            frozen=read or None,
             batches=batches,
             arch=arch,
         )
@@ -283,8 +289,8 @@ class MHPFedHN(FederatedMethod):
             self.store.scatter(*local, {n: result.params[n] for n in kept})
         trained = result.params
         delta = flat - codec.to_flat(trained)
-        if freeze is not None:
-            # SGD's weight decay still moved the frozen tensors' (unused) trainable copies
+        if fixed is not None:
+            # SGD's weight decay still moved the fixed tensors' (unused) trainable copies
             trained = trained | {
                 n: torch.where(mask.view(-1, *[1] * (params[n].dim() - 1)), params[n], trained[n])
                 for n in names
@@ -298,30 +304,32 @@ class MHPFedHN(FederatedMethod):
             delta = delta.masked_fill(mask[:, None] & entries, 0.0)
         return self.sparsify(delta), trained, result.loss
 
-    def freezing(self, kind: str, loss_fn: LossFn) -> LossFn:
-        """``loss_fn`` for clients of ``kind`` some of which hold their leading layers fixed.
+    def with_fixed_layers(self, kind: str, loss_fn: LossFn) -> LossFn:
+        """``loss_fn`` for clients of ``kind`` some of which hold their last layers fixed.
 
-        The loss reads every tensor t of ``frozen_names[kind]`` as where(freeze, generated t,
-        trainable t), ``freeze`` and the generated values coming per client with the frozen
-        tensors (:meth:`client_update`): a frozen client's gradient of t is exactly 0 and its
-        forward pass uses the generated values at every step. Without frozen clients in the
-        configuration ``loss_fn`` itself is returned.
+        The loss reads every tensor t of ``fixed_names[kind]`` as where(constrained, generated
+        t, trainable t), the ``constrained`` mask and the generated values coming per client in
+        the context (:meth:`client_update`): a constrained client's gradient of t is exactly 0
+        and its forward pass uses the generated values at every step. Without constrained
+        clients in the configuration ``loss_fn`` itself is returned.
         """
-        if not self.freezes:
+        if not self.any_constrained:
             return loss_fn
-        names = set(self.frozen_names[kind])
+        names = set(self.fixed_names[kind])
 
         def loss(
-            params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+            params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
         ) -> Tensor | tuple[Tensor, Params]:
-            if FREEZE not in frozen:
-                return loss_fn(params, frozen, x, y, w)
-            keep = frozen[FREEZE]
+            if CONSTRAINED not in context:
+                return loss_fn(params, context, x, y, w)
+            mask = context[CONSTRAINED]
             own = {
-                n: torch.where(keep, frozen[GENERATED + n], p) if n in names else p
+                n: torch.where(mask, context[GENERATED + n], p) if n in names else p
                 for n, p in params.items()
             }
-            rest = {n: t for n, t in frozen.items() if n != FREEZE and not n.startswith(GENERATED)}
+            rest = {
+                n: t for n, t in context.items() if n != CONSTRAINED and not n.startswith(GENERATED)
+            }
             return loss_fn(own, rest, x, y, w)
 
         return loss
@@ -370,23 +378,28 @@ class MHPFedHN(FederatedMethod):
     ) -> tuple[Tensor, Params, Params]:
         """Generate, train per architecture group, upload deltas, set the server gradient.
 
-        ``teachers`` are per-client frozen tensors handed to the personal loss (MH-pFedHNGD;
+        ``teachers`` are per-client context tensors handed to the personal loss (MH-pFedHNGD;
         None: plain cross-entropy). Returns the losses and what was sent down and up.
         """
         batches = self.draw_batches(clients, round_idx)
         ids = clients.cpu()
-        losses = torch.zeros(len(clients), device=self.device)
         generated: list[Tensor] = []
         deltas: list[Tensor] = []
         down: Params = {}
         up: Params = {}
-        for kind, rows in self.zoo.split(clients):
-            members, on_cpu = clients[rows], ids[rows.cpu()]
+
+        def train(group: GroupShare) -> Tensor:
+            kind, rows, members, on_cpu = (
+                group.name,
+                group.rows,
+                group.members,
+                ids[group.rows.cpu()],
+            )
             flat = self.hnet(on_cpu.tolist())  # server: the members' flat vectors
-            mask = self.frozen[on_cpu].to(self.device) if self.freezes else None
+            mask = self.constrained[on_cpu].to(self.device) if self.any_constrained else None
             delta, _, loss = self.client_update(
                 self.codecs[kind],
-                self.zoo.archs[kind],
+                group.arch,
                 members,
                 flat.detach(),
                 round_idx,
@@ -394,14 +407,16 @@ class MHPFedHN(FederatedMethod):
                 self.losses[kind] if teachers is None else self.personal_loss(kind),
                 None if teachers is None else {n: t[rows] for n, t in teachers.items()},
                 (f"buffers.{kind}", self.zoo.row_of[on_cpu]),
-                None if mask is None else (mask, self.frozen_names[kind]),
+                None if mask is None else (mask, self.fixed_names[kind]),
                 self.local_field(kind, on_cpu),
             )
-            losses[rows] = loss
             generated.append(flat)
             deltas.append(delta)
             down[kind] = flat
-            up |= {f"{kind}.{n}": t for n, t in self.uploaded(delta).items()}
+            up.update({f"{kind}.{n}": t for n, t in self.uploaded(delta).items()})
+            return loss
+
+        losses = self.zoo.train_groups(clients, train)
         # generated[j] holds the rows of group j; weights follow that order (uniform: 1/C)
         weights = torch.full((len(clients),), 1.0 / len(clients), device=self.device)
         self.server_gradients(generated, deltas, weights)
@@ -466,13 +481,13 @@ class MHPFedHN(FederatedMethod):
             "slots": {k: math.ceil(c.count / self.hp.output_size) for k, c in self.codecs.items()},
             "architecture_clients": {k: len(ids) for k, ids in self.client_groups().items()},
             "hypernetwork_parameters": sum(p.numel() for p in self.hnet.parameters()),
-            "frozen_clients": self.frozen.nonzero()[:, 0].tolist(),
+            "frozen_clients": self.constrained.nonzero()[:, 0].tolist(),
         }
 
     def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
         """Novel clients adapt their slot embeddings (all tau_i rows of each) and the heads no
         other row uses (a size only novel clients have, or ``head_sharing: client``), which
-        never trained; heads shared with trained rows stay frozen. The loss is each client's
+        never trained; heads shared with trained rows stay as they are. The loss is each client's
         training-mode cross-entropy (also for MH-pFedHNGD, a novel client has no teacher),
         whose forwards update the novel clients' batch-norm statistics in the store."""
         ids = clients.cpu()
@@ -675,7 +690,7 @@ class MHPFedHNGD(MHPFedHNG):
     ) -> None:
         super().__init__(**kwargs)
         self.distill_losses = {
-            kind: self.freezing(kind, self.distillation(kind)) for kind in self.zoo.names
+            kind: self.with_fixed_layers(kind, self.distillation(kind)) for kind in self.zoo.names
         }
 
     def distills(self) -> bool:
@@ -686,7 +701,7 @@ class MHPFedHNGD(MHPFedHNG):
 
     def distillation(self, kind: str) -> LossFn:
         """(1 - lambda) CE + lambda KL (times T^2 with ``distill_t_squared``) for a client of
-        ``kind``; the teacher's tensors are the ``teacher.``-prefixed frozen ones. With a
+        ``kind``; the teacher's tensors are the ``teacher.``-prefixed context ones. With a
         per-client ``holds_global`` flag among them, a client without the global model uses
         lambda = 0 (exactly its cross-entropy)."""
         student, teacher_arch = self.zoo.archs[kind], self.global_arch
@@ -696,11 +711,11 @@ class MHPFedHNGD(MHPFedHNG):
         prefix = len("teacher.")
 
         def loss(
-            params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+            params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
         ) -> Tensor | tuple[Tensor, Params]:
-            teacher = {n[prefix:]: t for n, t in frozen.items() if n.startswith("teacher.")}
-            own = {n: t for n, t in frozen.items() if not n.startswith("teacher.") and n != HOLDS}
-            holds = frozen.get(HOLDS)
+            teacher = {n[prefix:]: t for n, t in context.items() if n.startswith("teacher.")}
+            own = {n: t for n, t in context.items() if not n.startswith("teacher.") and n != HOLDS}
+            holds = context.get(HOLDS)
             mix = weight if holds is None else torch.where(holds, weight, 0.0)
             logits, buffers = student.forward_train({**own, **params}, x)
             target = teacher_arch(teacher, x)

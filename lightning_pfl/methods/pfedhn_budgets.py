@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pfl.assignment import NetworkGroups
+from lightning_pfl.assignment import GroupShare, NetworkGroups
 from lightning_pfl.engine import Params, cross_entropy_loss
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import payload_bytes
@@ -152,35 +152,38 @@ class PFedHNBudgets(PFedHN):
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         batches = self.draw_batches(clients, round_idx)
         features = self.network.body.features(clients)
-        losses = torch.zeros(len(clients), device=self.device)
         generated: list[Tensor] = []
         deltas: list[Tensor] = []
         weights: list[Tensor] = []
         down: Params = {}
         up: Params = {}
-        for size, rows in self.sizes.split(clients):
+
+        def train(group: GroupShare) -> Tensor:
+            size, rows = group.name, group.rows
             theta = self.network.generate(features[rows], size)
             start = {n: t.detach() for n, t in theta.items()}
             result = self.local_train(
                 {n: t.clone() for n, t in start.items()},
-                clients[rows],
+                group.members,
                 round_idx,
                 loss_fn=self.losses[size],
                 batches=batches.select(rows),
-                arch=self.sizes.archs[size],
+                arch=group.arch,
             )
-            losses[rows] = result.loss
             delta = {n: start[n] - result.params[n] for n in start}
-            generated += theta.values()
-            deltas += delta.values()
-            weights += [torch.full((len(rows),), 1.0 / len(clients), device=self.device)] * len(
-                theta
+            generated.extend(theta.values())
+            deltas.extend(delta.values())
+            weights.extend(
+                [torch.full((len(rows),), 1.0 / len(clients), device=self.device)] * len(theta)
             )
-            down |= self.sizes.tagged(size, start)
-            up |= self.sizes.tagged(size, delta)
+            down.update(self.sizes.tagged(size, start))
+            up.update(self.sizes.tagged(size, delta))
             totals = self.comm_bytes_by_size[size]
             totals[0] += payload_bytes(start)
             totals[1] += payload_bytes(delta)
+            return result.loss
+
+        losses = self.sizes.train_groups(clients, train)
         set_delta_gradients(
             [p for p in self.hnet.parameters() if p.requires_grad],
             generated,

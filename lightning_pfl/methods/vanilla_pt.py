@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning import Callback
+
+from lightning_pfl.attention_maps import AttentionMaps
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.methods.fedtp import log_attention_maps
 from lightning_pfl.models.transformers import qkv_names
 from lightning_pfl.validation import NonNegativeInt
 
@@ -21,7 +23,7 @@ class VanillaPersonalizedT(FedAvg):
     Args:
         picture_clients: at every validation, log to TensorBoard the attention-rollout maps of
             4 test images of each of the first ``picture_clients`` clients (``vit`` only; as
-            FedTP, see :func:`~lightning_pfl.methods.fedtp.log_attention_maps`; 0: off).
+            FedTP, see :class:`~lightning_pfl.attention_maps.AttentionMaps`; 0: off).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
@@ -37,6 +39,5 @@ class VanillaPersonalizedT(FedAvg):
             )
         return names
 
-    def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
-        log_attention_maps(self, self.hp.picture_clients)
+    def configure_callbacks(self) -> list[Callback]:
+        return [AttentionMaps(self.hp.picture_clients)] if self.hp.picture_clients else []

@@ -1,0 +1,139 @@
+"""What makes two runs the same experiment, and which checkpoint a run may continue from.
+
+An experiment is every model and data argument that changes the math, flattened to
+``{"model.init_args.local_lr": 0.005, ...}`` (speed and placement settings, :data:`RUNTIME_KEYS`,
+left out). A run writes it to ``experiment.json`` in its folder and into every checkpoint; a
+resume or a test from a checkpoint is refused unless the two agree, up to the keys the user
+allows to change. Pure functions: the CLI gives them the configs and folders.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pfl.errors import ConfigError
+
+# Arguments that change speed or placement but not the math: they may differ on resume.
+RUNTIME_KEYS = {
+    "model.init_args.vectorize",
+    "model.init_args.compile_step",
+    "model.init_args.cuda_graphs",
+    "model.init_args.client_threads",
+    "model.init_args.eval_batch_size",
+    "model.init_args.last_evals",
+    "model.init_args.offload_client_state",
+    "data.init_args.root",
+    "data.init_args.download",
+    "data.init_args.eval_clients_per_batch",
+}
+EXPERIMENT_FILE = "experiment.json"
+LAST_CHECKPOINT = Path("checkpoints") / "last.ckpt"
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def experiment_of(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The experiment of a dumped config (its ``model`` and ``data`` sections), flattened."""
+    flat = flatten({"model": config["model"], "data": config["data"]})
+    return {k: v for k, v in flat.items() if k not in RUNTIME_KEYS}
+
+
+def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Human-readable differences between two flat experiment descriptions."""
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{k}: {saved.get(k, '<unset>')!r} in the checkpoint, {current.get(k, '<unset>')!r} now"
+        for k in keys
+        if saved.get(k, "<unset>") != current.get(k, "<unset>")
+    ]
+
+
+def check_same_experiment(
+    saved: Mapping[str, Any] | None,
+    current: Mapping[str, Any],
+    allowed: Collection[str],
+    source: str,
+) -> None:
+    """Refuse ``source`` (a checkpoint or run folder) unless its ``saved`` experiment is
+    ``current`` up to the ``allowed`` keys."""
+    if saved is None:
+        raise ConfigError(
+            f"{source} was not written by a lightning-pfl run (no experiment record); "
+            "it cannot be checked against the config."
+        )
+    found = [d for d in differences(saved, current) if d.split(":")[0] not in allowed]
+    if found:
+        raise ConfigError(
+            f"{source} belongs to a different experiment than this config: "
+            + "; ".join(found)
+            + ". Use the config it was trained with, or, if a difference is intended, list "
+            "its key in --allow_changes."
+        )
+
+
+def checkpointed_versions(run_dir: Path) -> list[Path]:
+    """The ``version_*`` folders of ``run_dir`` holding ``checkpoints/last.ckpt``, newest first
+    (what ``--ckpt_path last`` resumes from)."""
+    return sorted(
+        (p for p in run_dir.glob("version_*") if (p / LAST_CHECKPOINT).exists()),
+        key=lambda p: int(p.name.split("_")[1]) if p.name.split("_")[1].isdigit() else -1,
+        reverse=True,
+    )
+
+
+def last_of_same_experiment(
+    run_dir: Path, current: Mapping[str, Any], allowed: Collection[str]
+) -> Path:
+    """The newest ``version_*`` folder of ``run_dir`` whose checkpoint is of the ``current``
+    experiment (``--ckpt_path last``); refused with the newest mismatch when none is."""
+    candidates = checkpointed_versions(run_dir)
+    if not candidates:
+        raise ConfigError(
+            f"--ckpt_path last: no checkpoints/last.ckpt under {run_dir}/version_*; start "
+            "the run without --ckpt_path (checkpoints are written every "
+            "checkpoint.every_n_rounds rounds, every checkpoint.every_minutes and on stop)."
+        )
+    for version in candidates:
+        record = version / EXPERIMENT_FILE
+        saved = json.loads(record.read_text()) if record.exists() else None
+        try:
+            check_same_experiment(saved, current, allowed, str(version / LAST_CHECKPOINT))
+        except ConfigError as mismatch:
+            if version == candidates[-1]:
+                raise mismatch from None
+            continue
+        return version
+    raise AssertionError("unreachable")
+
+
+def check_checkpoint(path: Path, current: Mapping[str, Any], allowed: Collection[str]) -> None:
+    """Refuse ``--ckpt_path path`` unless it is a readable checkpoint of ``current``."""
+    if not path.is_file():
+        raise ConfigError(f"--ckpt_path {path}: no such file.")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise ConfigError(f"--ckpt_path {path} cannot be read as a checkpoint: {error}") from error
+    check_same_experiment(checkpoint.get("pfl", {}).get("experiment"), current, allowed, str(path))
+
+
+def version_holding(path: Path, run_dir: Path) -> str | None:
+    """The ``version_*`` folder of ``run_dir`` that checkpoint ``path`` lies in, if any (a run
+    continued from it writes into that folder)."""
+    version_dir = path.resolve().parent.parent
+    return version_dir.name if version_dir.parent == run_dir.resolve() else None
