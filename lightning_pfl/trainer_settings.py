@@ -34,7 +34,8 @@ def _only(allowed: tuple[Any, ...], advice: str) -> Rule:
     return rule
 
 
-def _precision(value: Any) -> str | None:
+def precision_problem(value: Any) -> str | None:
+    """What is wrong with ``trainer.precision = value`` (None: supported)."""
     if value in SUPPORTED_PRECISIONS:
         return None
     text = str(value)
@@ -163,7 +164,7 @@ TRAINER_RULES: dict[str, Rule | None] = {
     "strategy": _strategy,
     "devices": None,
     "num_nodes": None,
-    "precision": _precision,
+    "precision": precision_problem,
     "logger": None,
     "callbacks": None,
     "fast_dev_run": _only(

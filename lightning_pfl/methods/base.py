@@ -46,6 +46,7 @@ from lightning_pfl.metrics import ACCURACIES, ClientAccuracy, over_evaluations
 from lightning_pfl.models import build_network
 from lightning_pfl.privacy import EPSILON_KEY, NOISE_STREAM, ClientDP, PrivacyAccountant
 from lightning_pfl.reporting import per_client_figure, report_partition
+from lightning_pfl.trainer_settings import precision_problem
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -466,12 +467,10 @@ class FederatedMethod(LightningModule, ABC):
         return self.server_optimizer
 
     def setup(self, stage: str) -> None:
-        precision = str(self.trainer.precision)
-        if precision.startswith("16"):
-            raise ConfigError(
-                f"precision '{precision}' needs gradient scaling, which client training does not "
-                "do; use 'bf16-mixed' or '32-true'."
-            )
+        # The CLI refuses it before anything is written; this catches a Trainer built in Python.
+        problem = precision_problem(self.trainer.precision)
+        if problem is not None:
+            raise ConfigError(f"trainer.precision = {self.trainer.precision!r}: {problem}.")
 
     def _place_state(self) -> None:
         self.store.to(self.device, offload=self.hp.offload_client_state)
