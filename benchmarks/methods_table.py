@@ -88,6 +88,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "pfedla": ("Ma et al., CVPR 2022", "layer-wise mixing weights over clients (server HN)"),
     "pfedlhn": ("Zhu et al., Neural Process. Lett. 2023", "the embedding; the model is generated"),
     "pfedme": ("Dinh, Tran & Nguyen, NeurIPS 2020", "theta_i, the Moreau-envelope solution"),
+    "scaffold": ("Karimireddy et al., ICML 2020", "nothing (control variate c_i kept)"),
 }
 
 HEADER = (

@@ -19,6 +19,7 @@ from lightning_pfl.methods import (
     PFedHN,
     PFedHNPC,
     PFedKT,
+    scaffold,
 )
 from tests.conftest import build, digits_data, fit
 
@@ -99,6 +100,7 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (PFedHNPC, {}),
     (PFedKT, {"local_epochs": 1}),
     (FedSimSup, {"supervisors": {"cnn": {"net": "digits_cnn", "net_args": {"width": 4}}}}),
+    (scaffold.SCAFFOLD, {}),
 ]
 
 
