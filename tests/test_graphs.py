@@ -19,6 +19,7 @@ from lightning_pfl.methods import (
     PFedHN,
     PFedHNPC,
     PFedKT,
+    fedopt,
     scaffold,
 )
 from tests.conftest import build, digits_data, fit
@@ -101,6 +102,7 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (PFedKT, {"local_epochs": 1}),
     (FedSimSup, {"supervisors": {"cnn": {"net": "digits_cnn", "net_args": {"width": 4}}}}),
     (scaffold.SCAFFOLD, {}),
+    (fedopt.FedOpt, {"adaptivity": "yogi"}),
 ]
 
 

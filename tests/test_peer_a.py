@@ -5,15 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import Tensor
 from torch.func import grad
 
 from lightning_pfl.engine import Params
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods.fedopt import AdaptiveServerOptimizer, FedOpt
 from lightning_pfl.methods.scaffold import SCAFFOLD
 from tests.conftest import build, digits_data
-from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_vectorized_equals_sequential,
+    capture_local_training,
+)
 
 
 def minibatch_gradients(method: FederatedMethod, params: Params, clients: Tensor) -> Params:
@@ -80,3 +88,56 @@ def test_scaffold_vectorized_equals_sequential() -> None:
 
 def test_scaffold_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "scaffold.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------- FedOpt
+@pytest.mark.parametrize("adaptivity", ["adagrad", "adam", "yogi"])
+def test_fedopt_server_step_matches_algorithm_2_by_hand(adaptivity: str) -> None:
+    """Two server steps on one coordinate, written out: Delta = -grad, m and v from
+    m_{-1} = 0, v_{-1} = tau^2, x += eta m / (sqrt(v) + tau), no bias correction."""
+    eta, b1, b2, tau = 0.1, 0.9, 0.99, 1e-3
+    x = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+    opt = AdaptiveServerOptimizer([x], adaptivity, eta, b1, b2, tau)  # type: ignore[arg-type]
+    expected = [1.0, -2.0]
+    m, v = [0.0, 0.0], [tau**2, tau**2]
+    for deltas in ([0.5, 0.01], [-0.2, 0.001]):  # yogi: v < Delta^2, then v > Delta^2
+        x.grad = -torch.tensor(deltas, dtype=torch.float64)
+        opt.step()
+        for j, d in enumerate(deltas):
+            m[j] = b1 * m[j] + (1 - b1) * d
+            if adaptivity == "adagrad":
+                v[j] = v[j] + d * d
+            elif adaptivity == "adam":
+                v[j] = b2 * v[j] + (1 - b2) * d * d
+            else:
+                v[j] = v[j] - (1 - b2) * d * d * (1.0 if v[j] > d * d else -1.0)
+            expected[j] += eta * m[j] / (v[j] ** 0.5 + tau)
+        torch.testing.assert_close(x.detach(), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_fedopt_averages_updates_uniformly() -> None:
+    dm = digits_data(6)
+    method = build(FedOpt, dm, clients_per_round=3)
+    assert isinstance(method, FedOpt)
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 2, 5])
+    x = {n: t.clone() for n, t in method.global_state().items()}
+    method.run_round(0, clients)
+    sizes = dm.num_samples("train")[clients]
+    assert sizes.unique().numel() > 1  # sample weights would differ
+    for name, p in method.net.named_parameters():
+        expected = x[name] - trained[0].params[name].mean(0)
+        torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_fedopt_refuses_server_momentum() -> None:
+    with pytest.raises(ConfigError, match="beta1"):
+        build(FedOpt, digits_data(6), server_momentum=0.9)
+
+
+def test_fedopt_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedOpt, adaptivity="yogi")
+
+
+def test_fedopt_resume_is_exact_with_the_server_moments(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedopt.yaml", tmp_path)
