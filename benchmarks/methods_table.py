@@ -54,6 +54,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "fedadam": ("Reddi et al., ICLR 2021 (FedOpt)", "nothing"),
     "fedavg_ft": ("FedAvg + fine-tuning", "nothing kept; fine-tuned before evaluation"),
     "fedbn": ("Li et al., ICLR 2021", "batch-norm layers and statistics"),
+    "feddyn": ("Acar et al., ICLR 2021", "nothing (gradient state kept)"),
     "fedfomo": ("Zhang et al., ICLR 2021", "the whole model"),
     "fedyogi": ("Reddi et al., ICLR 2021 (FedOpt)", "nothing"),
     "fedgh": ("Yi et al., ACM MM 2023", "the whole model (header tuned from the global one)"),

@@ -19,6 +19,7 @@ from lightning_pfl.methods import (
     PFedHN,
     PFedHNPC,
     PFedKT,
+    feddyn,
     fedopt,
     scaffold,
 )
@@ -102,6 +103,7 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (PFedKT, {"local_epochs": 1}),
     (FedSimSup, {"supervisors": {"cnn": {"net": "digits_cnn", "net_args": {"width": 4}}}}),
     (scaffold.SCAFFOLD, {}),
+    (feddyn.FedDyn, {}),
     (fedopt.FedOpt, {"adaptivity": "yogi"}),
 ]
 

@@ -10,10 +10,12 @@ import torch
 from torch import Tensor
 from torch.func import grad
 
-from lightning_pfl.engine import Params
+from lightning_pfl.engine import Params, prefixed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods.feddyn import LINEAR, FedDyn
 from lightning_pfl.methods.fedopt import AdaptiveServerOptimizer, FedOpt
+from lightning_pfl.methods.fedprox import anchor
 from lightning_pfl.methods.scaffold import SCAFFOLD
 from tests.conftest import build, digits_data
 from tests.helpers import (
@@ -141,3 +143,86 @@ def test_fedopt_vectorized_equals_sequential() -> None:
 
 def test_fedopt_resume_is_exact_with_the_server_moments(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedopt.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------- FedDyn
+def test_feddyn_local_gradient_is_ce_minus_state_plus_alpha_times_drift() -> None:
+    dm = digits_data(4)
+    alpha = 0.3
+    method = build(FedDyn, dm, alpha=alpha)
+    assert isinstance(method, FedDyn)
+    names = method.trainable
+    start = method.arch.initial_params()
+    theta = randomized(start, 3, scale=1.0)
+    theta = {n: start[n] + theta[n] for n in names}
+    state = randomized(start, 4)
+    frozen = anchor(start, names) | prefixed(LINEAR, {n: -state[n] for n in names})
+    index = torch.arange(16)
+    x, y = dm.fetch(index)
+    w = torch.ones(16)
+    actual = grad(method.dynamic_loss)(theta, frozen, x, y, w)
+    ce = grad(method.cross_entropy)(theta, {}, x, y, w)
+    for n in names:
+        expected = ce[n] - state[n] + alpha * (theta[n] - start[n])
+        torch.testing.assert_close(actual[n], expected, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_feddyn_round_updates_client_state_h_and_the_server_model_by_hand() -> None:
+    """One local step of plain SGD from theta: theta_k = theta - lr (g_k - s_k) (the proximal
+    term is zero at the start); s_k+ = s_k - alpha (theta_k - theta);
+    h+ = h - alpha/m sum (theta_k - theta); theta+ = mean theta_k - h+ / alpha."""
+    dm = digits_data(6)
+    lr, alpha, m = 0.1, 0.5, 6
+    method = build(
+        FedDyn,
+        dm,
+        alpha=alpha,
+        local_lr=lr,
+        local_steps=1,
+        local_weight_decay=0.0,
+        local_max_grad_norm=None,
+        clients_per_round=3,
+    )
+    assert isinstance(method, FedDyn)
+    clients = torch.tensor([1, 3, 4])
+    names = method.trainable
+    s_all = {
+        n: torch.stack([v * (i + 1) for i in range(m)])
+        for n, v in randomized(method.arch.initial_params(), 5).items()
+    }
+    method.store.fields["gradient"] = {n: v.clone() for n, v in s_all.items()}
+    h = randomized(method.arch.initial_params(), 6)
+    for n in names:
+        method.h[n].copy_(h[n])
+    theta = method.global_state()
+    g = minibatch_gradients(
+        method, {n: theta[n].expand(3, *theta[n].shape) for n in names}, clients
+    )
+    trained = capture_local_training(method)
+    method.run_round(0, clients)
+    new_state = method.store.gather("gradient", clients, method.device)
+    params = dict(method.net.named_parameters())
+    for n in names:
+        s_k = s_all[n][clients]
+        theta_k = theta[n] - lr * (g[n] - s_k)
+        torch.testing.assert_close(trained[0].params[n], theta_k, rtol=1e-4, atol=1e-6, msg=n)
+        drift = theta_k - theta[n]
+        torch.testing.assert_close(new_state[n], s_k - alpha * drift, rtol=1e-4, atol=1e-6)
+        h_new = h[n] - alpha * drift.sum(0) / m
+        torch.testing.assert_close(method.h[n], h_new, rtol=1e-4, atol=1e-6, msg=n)
+        target = theta_k.mean(0) - h_new / alpha
+        torch.testing.assert_close(params[n].grad, theta[n] - target, rtol=1e-4, atol=1e-6)
+        assert (h_new / alpha).abs().max() > 1e-2  # h matters here
+
+
+def test_feddyn_refuses_a_server_learning_rate() -> None:
+    with pytest.raises(ConfigError, match="server_lr"):
+        build(FedDyn, digits_data(6), server_lr=0.5)
+
+
+def test_feddyn_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedDyn)
+
+
+def test_feddyn_resume_is_exact_with_h_and_client_states(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "feddyn.yaml", tmp_path)
