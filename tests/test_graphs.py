@@ -20,7 +20,9 @@ from lightning_pfl.methods import (
     PFedHNPC,
     PFedKT,
     feddyn,
+    fednova,
     fedopt,
+    qffl,
     scaffold,
 )
 from tests.conftest import build, digits_data, fit
@@ -104,6 +106,8 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (FedSimSup, {"supervisors": {"cnn": {"net": "digits_cnn", "net_args": {"width": 4}}}}),
     (scaffold.SCAFFOLD, {}),
     (feddyn.FedDyn, {}),
+    (fednova.FedNova, {"local_epochs": 1}),
+    (qffl.QFFL, {}),
     (fedopt.FedOpt, {"adaptivity": "yogi"}),
 ]
 

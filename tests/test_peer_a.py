@@ -7,16 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.func import grad
 
+from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.engine import Params, prefixed
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods import FedAvg, FederatedMethod
 from lightning_pfl.methods.feddyn import LINEAR, FedDyn
+from lightning_pfl.methods.fednova import FedNova, momentum_norm
 from lightning_pfl.methods.fedopt import AdaptiveServerOptimizer, FedOpt
 from lightning_pfl.methods.fedprox import anchor
+from lightning_pfl.methods.qffl import QFFL
 from lightning_pfl.methods.scaffold import SCAFFOLD
+from lightning_pfl.partition import ClassesPerClient
 from tests.conftest import build, digits_data
 from tests.helpers import (
     CONF,
@@ -226,3 +231,117 @@ def test_feddyn_vectorized_equals_sequential() -> None:
 
 def test_feddyn_resume_is_exact_with_h_and_client_states(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "feddyn.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------- FedNova
+def test_fednova_momentum_norm_is_the_sum_of_a_i() -> None:
+    """a_i = [sum_{j<tau-k} rho^j for k = 0..tau-1] (momentum SGD without dampening)."""
+    for rho in (0.0, 0.5, 0.9):
+        for tau in range(1, 7):
+            a = [sum(rho**j for j in range(tau - k)) for k in range(tau)]
+            actual = float(momentum_norm(torch.tensor([tau]), rho)[0])
+            assert abs(actual - sum(a)) < 1e-9, (rho, tau)
+
+
+def unequal_digits() -> FederatedDataModule:
+    return digits_data(6, partition=ClassesPerClient(2, low=0.15, high=0.85))
+
+
+def test_fednova_normalizes_unequal_local_work_by_hand() -> None:
+    """x - x+ = tau_eff sum_i p_i (x - x_i) / ||a_i||_1, tau_eff = sum_i p_i ||a_i||_1."""
+    dm = unequal_digits()
+    rho = 0.5
+    method = build(FedNova, dm, local_epochs=1, local_momentum=rho, clients_per_round=3)
+    assert isinstance(method, FedNova)
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 2, 5])
+    x = {n: t.clone() for n, t in method.global_state().items()}
+    method.run_round(0, clients)
+    steps = [int(s) for s in trained[0].steps]
+    assert len(set(steps)) > 1, steps  # unequal local work
+    n = dm.num_samples("train")[clients].double()
+    p = n / n.sum()
+    norms = [sum(sum(rho**j for j in range(t - k)) for k in range(t)) for t in steps]
+    tau_eff = sum(float(p[i]) * norms[i] for i in range(3))
+    for name, param in method.net.named_parameters():
+        updates = [x[name] - trained[0].params[name][i] for i in range(3)]
+        expected = tau_eff * torch.stack([float(p[i]) * updates[i] / norms[i] for i in range(3)])
+        torch.testing.assert_close(param.grad, expected.sum(0), rtol=1e-5, atol=1e-7, msg=name)
+        fedavg = torch.stack([float(p[i]) * updates[i] for i in range(3)]).sum(0)
+        assert (expected.sum(0) - fedavg).abs().max() > 1e-4  # the normalization matters here
+
+
+def test_fednova_with_equal_steps_and_plain_sgd_is_fedavg() -> None:
+    dm = unequal_digits()
+    grads = []
+    for cls in (FedAvg, FedNova):
+        plain_sgd = {"local_momentum": 0.0, "local_weight_decay": 0.0, "local_max_grad_norm": None}
+        method = build(cls, dm, clients_per_round=3, **plain_sgd)
+        assert isinstance(method, FedAvg)
+        method.run_round(0, torch.tensor([0, 2, 5]))
+        grads.append({n: p.grad for n, p in method.net.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
+def test_fednova_vectorized_equals_sequential() -> None:
+    # vanilla SGD: at rho = 0.9 and batch 8 the two paths' 1e-6 rounding differences grew to
+    # 4e-2 in three rounds (FedNova scales short clients' updates up), past the tolerance
+    assert_vectorized_equals_sequential(
+        FedNova,
+        local_epochs=1,
+        local_momentum=0.0,
+        data_kwargs={"partition": ClassesPerClient(2, 0.15, 0.85)},
+    )
+
+
+def test_fednova_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fednova.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------- q-FFL
+def test_qffl_step_is_sum_delta_over_sum_h_by_hand() -> None:
+    """F_k = mean training CE of w^t over all of client k's samples; Delta w_k = L (w - wbar_k);
+    w - w+ = sum_k F_k^q Delta w_k / sum_k (q F_k^{q-1} ||Delta w_k||^2 + L F_k^q)."""
+    dm = digits_data(6)
+    q, lr = 2.0, 0.1
+    method = build(QFFL, dm, q=q, local_lr=lr, clients_per_round=3)
+    assert isinstance(method, QFFL)
+    lip = 1 / lr
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 3, 4])
+    w = {n: t.clone() for n, t in method.global_state().items()}
+    method.run_round(0, clients)
+    losses = []
+    for c in clients:
+        index = next(dm.eval_blocks(c.view(1), "train", 10**6))[0][0]
+        x, y = dm.fetch(index)
+        losses.append(float(F.cross_entropy(method.arch(w, x), y)))
+    names = list(method.arch.shapes)
+    delta = [{n: lip * (w[n] - trained[0].params[n][i]) for n in names} for i in range(3)]
+    norms = [sum(float((d[n] ** 2).sum()) for n in names) for d in delta]
+    hs = [q * f ** (q - 1) * s + lip * f**q for f, s in zip(losses, norms, strict=True)]
+    assert max(losses) - min(losses) > 1e-3  # the clients weigh differently
+    for name, param in method.net.named_parameters():
+        expected = sum(f**q * d[name] for f, d in zip(losses, delta, strict=True)) / sum(hs)
+        torch.testing.assert_close(param.grad, expected, rtol=1e-4, atol=1e-8, msg=name)
+
+
+def test_qffl_with_q_zero_is_the_uniform_mean_update() -> None:
+    dm = digits_data(6)
+    method = build(QFFL, dm, q=0.0, lipschitz=3.0, clients_per_round=3)
+    assert isinstance(method, QFFL)
+    trained = capture_local_training(method)
+    w = {n: t.clone() for n, t in method.global_state().items()}
+    method.run_round(0, torch.tensor([1, 2, 5]))
+    for name, param in method.net.named_parameters():
+        expected = (w[name] - trained[0].params[name]).mean(0)
+        torch.testing.assert_close(param.grad, expected, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_qffl_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(QFFL)
+
+
+def test_qffl_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "qffl.yaml", tmp_path)
