@@ -53,14 +53,19 @@ ABOUT: dict[str, tuple[str, str]] = {
     "fedakt": ("Liu et al., J. Syst. Archit. 2025", "the whole model (any architecture)"),
     "fedas": ("Yang et al., CVPR 2024", "the whole model (body aligned to it each round)"),
     "fedavg": ("McMahan et al., AISTATS 2017", "nothing"),
+    "fedadagrad": ("Reddi et al., ICLR 2021 (FedOpt)", "nothing"),
+    "fedadam": ("Reddi et al., ICLR 2021 (FedOpt)", "nothing"),
     "fedavg_ft": ("FedAvg + fine-tuning", "nothing kept; fine-tuned before evaluation"),
     "fedbn": ("Li et al., ICLR 2021", "batch-norm layers and statistics"),
     "fedcp": ("Zhang et al., KDD 2023", "a head and a context steering the feature split"),
     "fedfomo": ("Zhang et al., ICLR 2021", "the whole model"),
     "fedem": ("Marfoq et al., NeurIPS 2021", "mixture weights pi_t over M shared components"),
     "fedgen": ("Zhu, Hong & Zhou, ICML 2021", "nothing (a server generator regularizes clients)"),
+    "feddyn": ("Acar et al., ICLR 2021", "nothing (gradient state kept)"),
+    "fedyogi": ("Reddi et al., ICLR 2021 (FedOpt)", "nothing"),
     "fedgh": ("Yi et al., ACM MM 2023", "the whole model (header tuned from the global one)"),
     "fedpac": ("Xu, Tong & Huang, ICLR 2023", "the classifier head (server-combined)"),
+    "fednova": ("Wang et al., NeurIPS 2020", "nothing"),
     "fedper": ("Arivazhagan et al., 2019", "the classifier head"),
     "fedphp": ("Li et al., ECML-PKDD 2021", "a history model (moving average)"),
     "fedproto": ("Tan et al., AAAI 2022", "the whole model (only prototypes shared)"),
@@ -96,6 +101,8 @@ ABOUT: dict[str, tuple[str, str]] = {
     "pfedla": ("Ma et al., CVPR 2022", "layer-wise mixing weights over clients (server HN)"),
     "pfedlhn": ("Zhu et al., Neural Process. Lett. 2023", "the embedding; the model is generated"),
     "pfedme": ("Dinh, Tran & Nguyen, NeurIPS 2020", "theta_i, the Moreau-envelope solution"),
+    "qffl": ("Li, Sanjabi, Beirami & Smith, ICLR 2020", "nothing"),
+    "scaffold": ("Karimireddy et al., ICML 2020", "nothing (control variate c_i kept)"),
 }
 
 HEADER = (

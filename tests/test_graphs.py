@@ -19,6 +19,11 @@ from lightning_pfl.methods import (
     PFedHN,
     PFedHNPC,
     PFedKT,
+    feddyn,
+    fednova,
+    fedopt,
+    qffl,
+    scaffold,
 )
 from lightning_pfl.methods.ccvr import CCVR
 from lightning_pfl.methods.cfl import CFL
@@ -109,6 +114,11 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (FedAS, {}),
     (GPFL, {}),
     (FedCP, {"gumbel_noise": False}),
+    (scaffold.SCAFFOLD, {}),
+    (feddyn.FedDyn, {}),
+    (fednova.FedNova, {"local_epochs": 1}),
+    (qffl.QFFL, {}),
+    (fedopt.FedOpt, {"adaptivity": "yogi"}),
 ]
 
 
