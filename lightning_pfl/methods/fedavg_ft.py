@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import ParamGroup, Params, derive_seed, train_clients
+from lightning_pfl.engine import ParamGroup, Params, SGDConfig, derive_seed, train_clients
 from lightning_pfl.methods.base import DROPOUT_STREAM
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import PositiveInt
@@ -36,15 +36,26 @@ class FedAvgFT(FedAvg):
     def personalized_params(self, clients: Tensor) -> Params:
         return self.finetune(super().personalized_params(clients), clients, self.current_round)
 
-    def finetune(self, params: Params, clients: Tensor, round_idx: int) -> Params:
+    def finetune(
+        self,
+        params: Params,
+        clients: Tensor,
+        round_idx: int,
+        names: tuple[str, ...] | None = None,
+        sgd: SGDConfig | None = None,
+    ) -> Params:
         """``params`` (stacked over ``clients``) after E' epochs of local SGD (not kept).
 
-        Runs on this process's clients only (evaluation gives every rank its own clients),
-        so it calls the engine directly instead of :meth:`local_train`.
+        ``names``: the parameters that are fine-tuned (default every one; the others stay
+        fixed); ``sgd``: their SGD settings (default the local SGD settings). Runs on this
+        process's clients only (evaluation gives every rank its own clients), so it calls the
+        engine directly instead of :meth:`local_train`.
         """
         h = self.hp
         state = {n: t for n, t in params.items() if n in self.arch.buffer_shapes}
-        trainable = {n: t.clone() for n, t in params.items() if n not in state}
+        tuned = names if names is not None else tuple(n for n in params if n not in state)
+        trainable = {n: params[n].clone() for n in tuned}
+        fixed = {n: t for n, t in params.items() if n not in state and n not in trainable}
         batches = self.draw_batches(clients, round_idx, h.finetune_epochs, FINETUNE_PHASE)
         devices = [self.device] if self.device.type == "cuda" else []
         vectorize, threads = self.executor.path(self.arch)
@@ -53,11 +64,12 @@ class FedAvgFT(FedAvg):
             result = train_clients(
                 self.cross_entropy,
                 trainable,
-                [ParamGroup(tuple(trainable), self.local_sgd())],
+                [ParamGroup(tuple(trainable), sgd or self.local_sgd())],
                 batches,
                 self.data.fetch,
+                frozen=fixed,
                 state=state,
                 vectorize=vectorize,
                 threads=threads,
             )
-        return {**result.params, **result.state}
+        return {**fixed, **result.params, **result.state}
