@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lightning_pfl.engine import ParamGroup, SGDConfig, train_clients
-from lightning_pfl.methods import FedBABU, FedLC
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods import APPLE, FedALA, FedAMP, FedBABU, FederatedMethod, FedLC
+from lightning_pfl.methods.apple import regularization_weight
+from lightning_pfl.methods.fedamp import attention_weights
 from lightning_pfl.methods.fedavg_ft import FINETUNE_PHASE
 from lightning_pfl.methods.fedlc import calibrated_cross_entropy
 from tests.conftest import build, digits_data
@@ -23,11 +27,13 @@ from tests.helpers import (
 )
 
 
-def server_round(method: FedBABU | FedLC, clients: list[int], round_idx: int = 0) -> None:
+def server_round(method: FederatedMethod, clients: list[int], round_idx: int = 0) -> None:
     optimizer = method.configure_server_optimizer()
-    optimizer.zero_grad()
+    if optimizer is not None:
+        optimizer.zero_grad()
     method.run_round(round_idx, torch.tensor(clients))
-    optimizer.step()
+    if optimizer is not None:
+        optimizer.step()
 
 
 # ----------------------------------------------------------------------------- FedBABU
@@ -166,3 +172,224 @@ def test_fedlc_vectorized_equals_sequential() -> None:
 
 def test_fedlc_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "fedlc.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- FedALA
+def build_fedala(**kwargs: Any) -> FedALA:
+    dm = digits_data(4)
+    method = build(FedALA, dm, clients_per_round=2, **kwargs)
+    assert isinstance(method, FedALA)
+    return method
+
+
+def test_fedala_one_weight_step_on_hand_numbers() -> None:
+    # a batch holds a client's whole s% subset: one epoch is one step
+    method = build_fedala(eta=0.5, rand_percent=50.0, batch_size=512)
+    assert method.top == ("fc2.weight", "fc2.bias")  # p = 1: the classifier layer
+    clients = torch.tensor([0, 2])
+    received = {n: t.expand(2, *t.shape).clone() for n, t in method.global_state().items()}
+    g = torch.Generator().manual_seed(0)
+    local = {n: t + 0.3 * torch.randn(t.shape, generator=g) for n, t in received.items()}
+    start, weights = method.adaptive_local_aggregation(
+        0, clients, received, local, torch.tensor([False, False])
+    )
+    batches = method.ala_batches(clients, 0)
+    n = method.data.num_samples("train")[clients]
+    assert batches.active.shape[1] == 1
+    assert batches.weight.sum((1, 2)).tolist() == (n * 0.5).floor().tolist()
+    for row in range(2):
+        x, y = method.data.fetch(batches.index[row, 0])
+        # W = 1 at first: the mixed model is the global model; its gradient by autograd
+        theta = {k: t[row].clone().requires_grad_() for k, t in received.items()}
+        loss = F.cross_entropy(method.arch(theta, x, train=True), y, reduction="none")
+        loss = (loss * batches.weight[row, 0]).sum() / batches.weight[row, 0].sum()
+        grads = dict(zip(theta, torch.autograd.grad(loss, list(theta.values())), strict=True))
+        for name in received:
+            if name in method.top:
+                diff = received[name][row] - local[name][row]
+                w = (1 - 0.5 * grads[name] * diff).clamp(0, 1)
+                torch.testing.assert_close(weights["ala." + name][row], w, msg=name)
+                expected = local[name][row] + diff * w
+            else:
+                expected = received[name][row]  # lower layers: the global model
+            torch.testing.assert_close(start[name][row], expected, msg=name)
+    assert bool((weights["ala.fc2.weight"] < 1).any())
+
+
+@pytest.mark.parametrize(("threshold", "epochs"), [(1e9, 11), (0.0, 14)])
+def test_fedala_first_ala_trains_until_the_epoch_losses_settle(
+    threshold: float, epochs: int
+) -> None:
+    method = build_fedala(convergence_threshold=threshold, ala_max_epochs=14)
+    calls = capture_local_training(method)
+    clients = torch.tensor([1, 3])
+    state = method.global_state()
+    received = {n: t.expand(2, *t.shape).clone() for n, t in state.items()}
+    local = {n: t + 0.1 for n, t in received.items()}
+    # client 1's first ALA runs to convergence; client 3's (a later one) one epoch
+    method.adaptive_local_aggregation(0, clients, received, local, torch.tensor([True, False]))
+    assert len(calls) == 14
+    taken = torch.stack([c.steps for c in calls])  # [epoch, client]
+    per_epoch = int(taken[0, 0])
+    assert per_epoch > 0
+    # the window of 10 epoch losses is full after 11 epochs; a huge threshold stops there
+    assert taken[:, 0].tolist() == [per_epoch] * epochs + [0] * (14 - epochs)
+    assert taken[1:, 1].sum() == 0 and taken[0, 1] > 0
+
+
+def test_fedala_round_starts_new_clients_from_the_global_model_and_mixes_later() -> None:
+    method = build_fedala()
+    trained = capture_local_training(method)
+    server_round(method, [0, 1], round_idx=0)
+    assert len(trained) == 1  # no ALA at a first participation
+    assert method.visits.tolist() == [1, 1, 0, 0]
+    local = method.store.gather("local", torch.tensor([0, 1]), method.device)
+    for name in local:
+        torch.testing.assert_close(local[name], trained[0].params[name])
+    personal = method.personalized_params(torch.arange(4))
+    for name, tensor in method.global_state().items():
+        torch.testing.assert_close(personal[name][:2], local[name])
+        assert torch.equal(personal[name][2], tensor)  # never sampled: the global model
+    server_round(method, [1, 2], round_idx=1)
+    assert len(trained) > 2  # client 1's first ALA (several epochs), then training
+    assert method.visits.tolist() == [1, 2, 1, 0]
+    weights = method.store.fields["weights"]["ala.fc2.weight"]
+    assert (weights[1] != 1).any() and (weights[2] == 1).all()
+
+
+def test_fedala_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedALA, ala_max_epochs=12)
+
+
+def test_fedala_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedala.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- FedAMP
+def test_fedamp_attention_weights_on_hand_numbers() -> None:
+    distance = torch.tensor([[0.0, 2.0, 4.0], [2.0, 0.0, 6.0]], dtype=torch.float64)
+    own = torch.tensor([[True, False, False], [False, True, False]])
+    xi = attention_weights(distance, own, alpha=0.5, sigma=2.0)
+    a01, a02, a12 = (0.25 * math.exp(-v / 2) for v in (2.0, 4.0, 6.0))
+    expected = [[1 - a01 - a02, a01, a02], [a01, 1 - a01 - a12, a12]]
+    torch.testing.assert_close(xi, torch.tensor(expected, dtype=torch.float64))
+    assert torch.allclose(xi.sum(1), torch.ones(2, dtype=torch.float64))
+
+
+def test_fedamp_cloud_models_proximal_loss_and_round() -> None:
+    dm = digits_data(4)
+    method = build(FedAMP, dm, clients_per_round=2, alpha=0.4, sigma=3.0, lam=0.2)
+    assert isinstance(method, FedAMP)
+    store = method.store.fields["params"]
+    g = torch.Generator().manual_seed(0)
+    for tensor in store.values():
+        tensor += 0.02 * torch.randn(tensor.shape, generator=g)
+    models = {n: t.clone() for n, t in store.items()}
+    flat = torch.cat([t.flatten(1) for t in models.values()], 1).double()
+    clients = torch.tensor([1, 3])
+    distance = ((flat[clients].unsqueeze(1) - flat.unsqueeze(0)) ** 2).sum(-1)
+    xi = attention_weights(distance, clients.view(-1, 1) == torch.arange(4), 0.4, 3.0)
+    cloud = method.cloud_models(clients)
+    for name, tensor in models.items():
+        expected = torch.einsum("cj,j...->c...", xi, tensor.double()).float()
+        torch.testing.assert_close(cloud[name], expected, msg=name)
+    # the local objective: F_i(w) + lambda / (2 alpha) ||w - u_i||^2
+    x, y = dm.fetch(dm.index["train"].flat[:12])
+    weight = torch.ones(12)
+    w = {n: t[0] + 0.01 for n, t in cloud.items()}
+    anchor_u = {"anchor." + n: t[0] for n, t in cloud.items()}
+    value = method.prox_loss(w, anchor_u, x, y, weight)
+    squared = sum(float(((w[n] - cloud[n][0]) ** 2).sum()) for n in w)
+    ce = F.cross_entropy(method.arch(w, x, train=True), y)
+    torch.testing.assert_close(value, ce + 0.2 / (2 * 0.4) * squared)
+    trained = capture_local_training(method)
+    method.run_round(0, clients)
+    after = method.store.fields["params"]
+    for name, tensor in models.items():
+        assert torch.equal(after[name][[0, 2]], tensor[[0, 2]]), name  # others untouched
+        torch.testing.assert_close(after[name][[1, 3]], trained[0].params[name])
+    assert method._round_bytes[0] == method._round_bytes[1]  # u_i down, w_i up
+
+
+def test_fedamp_refuses_a_negative_self_attention() -> None:
+    with pytest.raises(ConfigError, match="alpha"):
+        build(FedAMP, digits_data(4), alpha=1.0, sigma=2.0)  # 1 * 3 / 2 > 1
+
+
+def test_fedamp_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(FedAMP)
+
+
+def test_fedamp_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "fedamp.yaml", tmp_path)
+
+
+# ----------------------------------------------------------------------------- APPLE
+def test_apple_regularization_schedule_on_hand_numbers() -> None:
+    assert regularization_weight("cosine", 0, 8) == 1.0
+    assert regularization_weight("cosine", 2, 8) == pytest.approx((math.cos(math.pi / 4) + 1) / 2)
+    assert regularization_weight("cosine", 4, 8) == pytest.approx(0.5)
+    assert regularization_weight("exponential", 4, 8) == pytest.approx(1e-3**0.5)
+    assert regularization_weight("cosine", 8, 8) == 0.0
+    assert regularization_weight("exponential", 9, 8) == 0.0
+
+
+def test_apple_gradients_of_the_core_model_and_the_relationships() -> None:
+    dm = digits_data(4)
+    method = build(APPLE, dm, clients_per_round=2)
+    assert isinstance(method, APPLE)
+    cores = {n: t.clone() for n, t in method.store.fields["core"].items()}
+    assert not torch.equal(cores["fc2.weight"][0], cores["fc2.weight"][1])  # independent inits
+    i = 2
+    p = torch.tensor([0.1, 0.3, 0.4, 0.2], requires_grad=True)
+    p0 = torch.full((4,), 0.25)
+    own = {n: t[i].clone().requires_grad_() for n, t in cores.items()}
+    frozen = {"cores." + n: t for n, t in cores.items()}
+    frozen |= {"self": F.one_hot(torch.tensor(i), 4).float(), "p0": p0, "coef": torch.tensor(0.7)}
+    x, y = dm.fetch(dm.index["train"].flat[:12])
+    loss = method.apple_loss({**own, "p": p}, frozen, x, y, torch.ones(12))
+    grads = torch.autograd.grad(loss, [*own.values(), p])
+    # by hand: the personalized model as a leaf, its cross-entropy gradient g
+    mixed = {
+        n: sum(p[j].detach() * (cores[n][j] if j != i else own[n].detach()) for j in range(4))
+        for n in cores
+    }
+    leaf = {n: t.clone().requires_grad_() for n, t in mixed.items()}
+    ce = F.cross_entropy(method.arch(leaf, x, train=True), y)
+    g = dict(zip(leaf, torch.autograd.grad(ce, list(leaf.values())), strict=True))
+    for (name, _), grad in zip(own.items(), grads[:-1], strict=True):
+        torch.testing.assert_close(grad, 0.4 * g[name], msg=name)  # p_ii dL/dw_p
+    inner = torch.stack([sum((g[n] * cores[n][j]).sum() for n in cores) for j in range(4)])
+    expected = inner + 2 * 0.7 * (p.detach() - p0)
+    torch.testing.assert_close(grads[-1], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_apple_round_updates_the_own_core_model_and_relationships() -> None:
+    dm = digits_data(4)
+    method = build(APPLE, dm, clients_per_round=2, dr_lr=0.01)
+    assert isinstance(method, APPLE)
+    before = {n: t.clone() for n, t in method.store.fields["core"].items()}
+    trained = capture_local_training(method)
+    method.run_round(0, torch.tensor([0, 3]))
+    after = method.store.fields["core"]
+    p0 = method.initial_relationships()
+    for name, tensor in before.items():
+        assert torch.equal(after[name][[1, 2]], tensor[[1, 2]]), name
+        torch.testing.assert_close(after[name][[0, 3]], trained[0].params[name])
+    p = trained[0].params["p"]
+    torch.testing.assert_close(method.store.fields["p_shift"]["p"][[0, 3]], p - p0)
+    assert not torch.allclose(p, p0.expand(2, -1))
+    personal = method.personalized_params(torch.tensor([3]))
+    for name, tensor in after.items():
+        expected = torch.einsum("j,j...->...", p[1], tensor)
+        torch.testing.assert_close(personal[name][0], expected, msg=name)
+    model_bytes = sum(t[0].numel() * 4 for t in before.values())
+    assert method._round_bytes == [2 * 4 * model_bytes, 2 * model_bytes]
+
+
+def test_apple_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(APPLE)
+
+
+def test_apple_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "apple.yaml", tmp_path)
