@@ -177,6 +177,7 @@ def test_fedlc_resume_is_exact(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- FedALA
 def build_fedala(**kwargs: Any) -> FedALA:
     dm = digits_data(4)
+    kwargs = {"batch_size": 64, "ala_max_epochs": 3, **kwargs}  # 4 ALA steps per epoch
     method = build(FedALA, dm, clients_per_round=2, **kwargs)
     assert isinstance(method, FedALA)
     return method
@@ -258,7 +259,7 @@ def test_fedala_round_starts_new_clients_from_the_global_model_and_mixes_later()
 
 
 def test_fedala_vectorized_equals_sequential() -> None:
-    assert_vectorized_equals_sequential(FedALA, ala_max_epochs=12)
+    assert_vectorized_equals_sequential(FedALA, ala_max_epochs=3, batch_size=64)
 
 
 def test_fedala_resume_is_exact(tmp_path: Path) -> None:
