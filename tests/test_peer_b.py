@@ -13,11 +13,13 @@ import torch.nn.functional as F
 
 from lightning_pfl.engine import ParamGroup, SGDConfig, train_clients
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import APPLE, FedALA, FedAMP, FedBABU, FederatedMethod, FedLC
-from lightning_pfl.methods.apple import regularization_weight
-from lightning_pfl.methods.fedamp import attention_weights
+from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods.apple import APPLE, regularization_weight
+from lightning_pfl.methods.fedala import FedALA
+from lightning_pfl.methods.fedamp import FedAMP, attention_weights
 from lightning_pfl.methods.fedavg_ft import FINETUNE_PHASE
-from lightning_pfl.methods.fedlc import calibrated_cross_entropy
+from lightning_pfl.methods.fedbabu import FedBABU
+from lightning_pfl.methods.fedlc import FedLC, calibrated_cross_entropy
 from tests.conftest import build, digits_data
 from tests.helpers import (
     CONF,
@@ -352,7 +354,9 @@ def test_apple_gradients_of_the_core_model_and_the_relationships() -> None:
     grads = torch.autograd.grad(loss, [*own.values(), p])
     # by hand: the personalized model as a leaf, its cross-entropy gradient g
     mixed = {
-        n: sum(p[j].detach() * (cores[n][j] if j != i else own[n].detach()) for j in range(4))
+        n: torch.stack(
+            [p[j].detach() * (cores[n][j] if j != i else own[n].detach()) for j in range(4)]
+        ).sum(0)
         for n in cores
     }
     leaf = {n: t.clone().requires_grad_() for n, t in mixed.items()}
@@ -360,7 +364,9 @@ def test_apple_gradients_of_the_core_model_and_the_relationships() -> None:
     g = dict(zip(leaf, torch.autograd.grad(ce, list(leaf.values())), strict=True))
     for (name, _), grad in zip(own.items(), grads[:-1], strict=True):
         torch.testing.assert_close(grad, 0.4 * g[name], msg=name)  # p_ii dL/dw_p
-    inner = torch.stack([sum((g[n] * cores[n][j]).sum() for n in cores) for j in range(4)])
+    inner = torch.stack(
+        [torch.stack([(g[n] * cores[n][j]).sum() for n in cores]).sum() for j in range(4)]
+    )
     expected = inner + 2 * 0.7 * (p.detach() - p0)
     torch.testing.assert_close(grads[-1], expected, rtol=1e-4, atol=1e-6)
 
