@@ -25,10 +25,15 @@ from lightning_pfl.methods import (
     qffl,
     scaffold,
 )
+from lightning_pfl.methods.apple import APPLE
 from lightning_pfl.methods.ccvr import CCVR
 from lightning_pfl.methods.cfl import CFL
+from lightning_pfl.methods.fedala import FedALA
+from lightning_pfl.methods.fedamp import FedAMP
 from lightning_pfl.methods.fedas import FedAS
+from lightning_pfl.methods.fedbabu import FedBABU
 from lightning_pfl.methods.fedcp import FedCP
+from lightning_pfl.methods.fedlc import FedLC
 from lightning_pfl.methods.gpfl import GPFL
 from tests.conftest import build, digits_data, fit
 
@@ -119,6 +124,11 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (fednova.FedNova, {"local_epochs": 1}),
     (qffl.QFFL, {}),
     (fedopt.FedOpt, {"adaptivity": "yogi"}),
+    (FedBABU, {}),
+    (FedLC, {}),
+    (FedALA, {"ala_max_epochs": 2, "batch_size": 64}),
+    (FedAMP, {}),
+    (APPLE, {}),
 ]
 
 

@@ -283,7 +283,10 @@ def test_parametrization_options_restore_feature_scale_and_target_init() -> None
     "name",
     [
         "APFL",
+        "APPLE",
         "CCVR",
+        "FedALA",
+        "FedAMP",
         "FedAS",
         "FedCP",
         "GPFL",
