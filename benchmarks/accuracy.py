@@ -119,6 +119,8 @@ SETTINGS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "fashion_mnist": ("fashion_mnist", {"pathological": []}),
     "fashion_mnist_mlp": ("fashion_mnist_mlp", {"pathological": []}),
     "digits_100clients": ("digits_100clients", {"pathological": []}),
+    # the digits setting's pathological split with unreliable clients (docs/conditions.md)
+    "conditions": ("conditions", {"pathological": []}),
     "fashion_mnist_hn_update": ("fashion_mnist_hn_update", {"pathological": []}),
     "fashion_mnist_novel": ("fashion_mnist_novel", {"dirichlet": []}),
     "fashion_mnist_pfedhn_table1": ("fashion_mnist_pfedhn_table1", {"pathological": []}),
@@ -264,6 +266,8 @@ def summarize(
         },
         "seconds_per_round": result["seconds_per_round"],
         "comm_bytes_total": result["comm_bytes_down_total"] + result["comm_bytes_up_total"],
+        # local / server FLOPs, local steps taken, clients that reported back (RoundCosts)
+        **({"costs": result["costs"]} if "costs" in result else {}),
         "test_acc_majority_class": result["majority_class"]["acc"],
         "test_acc_weighted_majority_class": result["majority_class"]["acc_weighted"],
         **result["stability"],
