@@ -21,6 +21,8 @@ Settings (``--setting``), each a folder of configs, one per method:
   client-level DP at two noise multipliers in the digits setting (docs/privacy.md); rows carry
   the run's ``privacy`` record (epsilon at delta). ``fashion_mnist_privacy`` (and ``_reduced``,
   100 rounds): the same on FashionMNIST, ``configs/privacy/fashion_mnist*/``.
+- ``conditions``: ``configs/conditions/*.yaml``, the digits setting's pathological split with
+  unreliable clients (drop rate 0.3, or stragglers; docs/conditions.md).
 - ``fashion_mnist_pfedhn_table1``: ``configs/fashion_mnist_pfedhn_table1/*.yaml``, pFedHN's
   Table 1 protocol in full (50 clients, 2 classes each, 5,000 rounds of one client) on
   FashionMNIST for pFedHN, Local and FedAvg (fact entries in ``configs/papers/pfedhn.yaml``).
