@@ -137,7 +137,7 @@ class RoundCosts(Callback):
     def step_flops(method: FederatedMethod) -> int | None:
         if method.network_groups() is not None:
             return None
-        return method.step_flops(method.arch)
+        return method.executor.step_flops(method.arch)
 
     def server_flops(self, method: FederatedMethod, clients: int) -> int | None:
         hnet = getattr(method, "hnet", None)

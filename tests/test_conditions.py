@@ -269,7 +269,7 @@ def test_every_method_counts_what_a_round_sends(name: str) -> None:
     assert costs.totals["local_steps"] > 0
     summary = method.extra_results["costs"]
     if method.network_groups() is None:
-        step = method.step_flops(method.arch)
+        step = method.executor.step_flops(method.arch)
         assert summary["flops_local_total"] == step * costs.totals["local_steps"]
 
 
@@ -284,5 +284,5 @@ def test_round_costs_follow_the_steps_taken() -> None:
     assert 0 < cut.totals["local_steps"] < full.totals["local_steps"]
     assert full.totals["flops_server"] > 0
     assert cut.totals["flops_server"] == full.totals["flops_server"]  # same clients per round
-    step = method.step_flops(method.arch)
+    step = method.executor.step_flops(method.arch)
     assert cut.totals["flops_local"] == step * cut.totals["local_steps"]
