@@ -277,7 +277,8 @@ def cost_figure(files: list[dict[str, Any]], path: Path) -> Path:
             if any(x is None or x <= 0 for x in xs) or any(a is None for a in accs):
                 missing += 1
                 continue
-            x, y = statistics.mean(xs), 100 * statistics.mean(accs)
+            x = statistics.mean(float(v) for v in xs if v is not None)
+            y = 100 * statistics.mean(accs)
             axis.scatter(
                 x, y, marker=markers.get(split, "o"), color="C0" if split == splits[0] else "C1"
             )
