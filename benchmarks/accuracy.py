@@ -21,6 +21,8 @@ Settings (``--setting``), each a folder of configs, one per method:
   client-level DP at two noise multipliers in the digits setting (docs/privacy.md); rows carry
   the run's ``privacy`` record (epsilon at delta). ``fashion_mnist_privacy`` (and ``_reduced``,
   100 rounds): the same on FashionMNIST, ``configs/privacy/fashion_mnist*/``.
+- ``conditions``: ``configs/conditions/*.yaml``, the digits setting's pathological split with
+  unreliable clients (drop rate 0.3, or stragglers; docs/conditions.md).
 - ``fashion_mnist_pfedhn_table1``: ``configs/fashion_mnist_pfedhn_table1/*.yaml``, pFedHN's
   Table 1 protocol in full (50 clients, 2 classes each, 5,000 rounds of one client) on
   FashionMNIST for pFedHN, Local and FedAvg (fact entries in ``configs/papers/pfedhn.yaml``).
@@ -119,6 +121,8 @@ SETTINGS: dict[str, tuple[str, dict[str, list[str]]]] = {
     "fashion_mnist": ("fashion_mnist", {"pathological": []}),
     "fashion_mnist_mlp": ("fashion_mnist_mlp", {"pathological": []}),
     "digits_100clients": ("digits_100clients", {"pathological": []}),
+    # the digits setting's pathological split with unreliable clients (docs/conditions.md)
+    "conditions": ("conditions", {"pathological": []}),
     "fashion_mnist_hn_update": ("fashion_mnist_hn_update", {"pathological": []}),
     "fashion_mnist_novel": ("fashion_mnist_novel", {"dirichlet": []}),
     "fashion_mnist_pfedhn_table1": ("fashion_mnist_pfedhn_table1", {"pathological": []}),
@@ -264,6 +268,8 @@ def summarize(
         },
         "seconds_per_round": result["seconds_per_round"],
         "comm_bytes_total": result["comm_bytes_down_total"] + result["comm_bytes_up_total"],
+        # local / server FLOPs, local steps taken, clients that reported back (RoundCosts)
+        **({"costs": result["costs"]} if "costs" in result else {}),
         "test_acc_majority_class": result["majority_class"]["acc"],
         "test_acc_weighted_majority_class": result["majority_class"]["acc_weighted"],
         **result["stability"],

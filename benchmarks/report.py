@@ -3,6 +3,7 @@
 python -m benchmarks.report benchmarks/results/digits          # a folder: one file per method
 python -m benchmarks.report benchmarks/results/digits --compare-rounds 150   # + method x split
 python -m benchmarks.report benchmarks/results/digits --paired-to local fedavg  # + per-seed gaps
+python -m benchmarks.report benchmarks/results/digits --cost-figure  # + accuracy_vs_cost.png
 python -m benchmarks.report benchmarks/results/speed_cpu.json
 """
 
@@ -242,6 +243,71 @@ def speed_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def total_flops(row: dict[str, Any]) -> float | None:
+    """Local plus server FLOPs of a row's run (``costs`` of results.json; None: not counted)."""
+    costs = row.get("costs") or {}
+    local = costs.get("flops_local_total")
+    if local is None:
+        return None
+    return float(local) + float(costs.get("flops_server_total") or 0.0)
+
+
+def cost_figure(files: list[dict[str, Any]], path: Path) -> Path:
+    """Test accuracy at the best validation round (mean over seeds) against total bytes sent
+    and received, and against total FLOPs (local training + server), one point per method and
+    split; rows without a count are left out of that panel, which says how many."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for result in files:
+        for row in result["rows"]:
+            groups[(row["split"], row["method"])].append(row)
+    axes_of = [("comm_bytes_total", "total bytes (down + up)"), ("flops", "total FLOPs")]
+    figure, axes = plt.subplots(1, 2, figsize=(14, 6), squeeze=False)
+    splits = sorted({split for split, _ in groups})
+    markers = dict(zip(splits, "os^Dv", strict=False))
+    for axis, (key, label) in zip(axes[0], axes_of, strict=True):
+        missing = 0
+        for (split, method), rows in sorted(groups.items()):
+            xs = [r.get(key) if key != "flops" else total_flops(r) for r in rows]
+            accs = [r["test_acc_at_best_val"] for r in rows]
+            if any(x is None or x <= 0 for x in xs) or any(a is None for a in accs):
+                missing += 1
+                continue
+            x = statistics.mean(float(v) for v in xs if v is not None)
+            y = 100 * statistics.mean(accs)
+            axis.scatter(
+                x, y, marker=markers.get(split, "o"), color="C0" if split == splits[0] else "C1"
+            )
+            axis.annotate(method, (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        if missing == len(groups):
+            axis.text(
+                0.5,
+                0.5,
+                "no row carries this count\n(rows written before results.json had it: rerun them)",
+                ha="center",
+                transform=axis.transAxes,
+            )
+        axis.set_xscale("log")
+        axis.set_xlabel(label)
+        axis.set_ylabel("test acc @ best val, mean over clients (%)")
+        title = f"accuracy vs {label}"
+        if missing:
+            title += f" ({missing} of {len(groups)} method x split without it)"
+        axis.set_title(title, fontsize=9)
+        axis.grid(alpha=0.3)
+    for split in splits:
+        axes[0][0].scatter([], [], marker=markers.get(split, "o"), label=split)
+    axes[0][0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path, help="result folders or speed JSON files")
@@ -258,6 +324,12 @@ def main() -> None:
         help="also print, for a folder, each method's accuracy per seed and its per-seed "
         "differences to these methods (config names, e.g. local fedavg)",
     )
+    parser.add_argument(
+        "--cost-figure",
+        action="store_true",
+        help="also draw, for a folder, accuracy against total bytes and total FLOPs of every "
+        "method into <folder>/accuracy_vs_cost.png",
+    )
     args = parser.parse_args()
     for path in args.paths:
         if path.is_dir():
@@ -265,6 +337,9 @@ def main() -> None:
             print(f"### `{path}` ({len(files)} methods)\n")
             print(accuracy_table(files))
             print()
+            if args.cost_figure:
+                print(f"![accuracy vs cost]({cost_figure(files, path / 'accuracy_vs_cost.png')})")
+                print()
             if groups := group_table(files):
                 print(groups)
                 print()

@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pfl.callbacks import RoundCheckpoint
 from lightning_pfl.console import quiet_third_party, result_lines
+from lightning_pfl.costs import RoundCosts
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.experiment import (
@@ -331,21 +332,18 @@ def run(
     run_subcommand: bool = True,
 ) -> PFLCLI:
     """Run the CLI with ``args`` (default: ``sys.argv``) and return it (for scripts and tests);
-    ``callbacks`` are added to the trainer's. ``run_subcommand=False``: parse, check and build
-    only (:meth:`PFLCLI.fit_now` runs it)."""
+    ``callbacks`` are added to the trainer's, after :class:`RoundCosts` (every run's).
+    ``run_subcommand=False``: parse, check and build only (:meth:`PFLCLI.fit_now` runs it)."""
     quiet_third_party()
     argv = list(args if args is not None else sys.argv[1:])
     logger = default_logger(argv)
+    callbacks = [RoundCosts(), *(callbacks or [])]
     return PFLCLI(
         FederatedMethod,
         FederatedDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        trainer_defaults={
-            **TRAINER_DEFAULTS,
-            "logger": logger,
-            **({"callbacks": callbacks} if callbacks else {}),
-        },
+        trainer_defaults={**TRAINER_DEFAULTS, "logger": logger, "callbacks": callbacks},
         save_config_kwargs={"overwrite": True},
         argv=argv,
         args=args,

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.func import vmap
 
+from lightning_pfl.conditions import Conditions, unreliable_clients
 from lightning_pfl.datamodule import FederatedDataModule, Split
 from lightning_pfl.engine import (
     Architecture,
@@ -150,6 +151,11 @@ class FederatedMethod(LightningModule, ABC):
             ``delta`` logged every round as ``privacy/epsilon`` and in ``results.json``,
             :class:`~lightning_pfl.privacy.ClientDP`, docs/privacy.md). None: off. A method
             whose round does not privatize its uploads refuses it.
+        conditions: unreliable clients (:class:`~lightning_pfl.conditions.Conditions`: a
+            ``drop_rate``, ``stragglers``, ``availability``; docs/conditions.md), drawn per
+            round and client as masks of the round. None: every sampled client completes its
+            local work and reports back. Methods whose aggregation weighs only the clients
+            that reported back declare ``honours_conditions = True``; the others refuse it.
     """
 
     def __init__(
@@ -178,6 +184,7 @@ class FederatedMethod(LightningModule, ABC):
         seed: Seed = 0,
         novel_clients: NonNegativeInt = 0,
         client_dp: ClientDP | None = None,
+        conditions: Conditions | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -195,6 +202,11 @@ class FederatedMethod(LightningModule, ABC):
                 f"model.init_args.novel_clients = {novel_clients} of the {num_clients} are held "
                 f"out; lower one of them (clients_per_round + novel_clients <= {num_clients})."
             )
+        self.unreliable = unreliable_clients(type(self), conditions, num_clients, seed)
+        # Local steps of every round's batches (draw_batches), read by the RoundCosts callback.
+        self.local_steps_drawn: Tensor | int = 0
+        # (round, sampled, contacted, reported back) of the last sample_clients, with conditions
+        self.round_reach = (-1, 1, 1, 1)
         with self.seeded_init(INIT_STREAM):
             try:
                 network = build_network(net, input_shape, num_classes, **(net_args or {}))
@@ -373,6 +385,9 @@ class FederatedMethod(LightningModule, ABC):
             steps=None if epochs is not None else h.local_steps,
             epochs=epochs,
         )
+        if self.unreliable is not None:
+            batches = self.unreliable.restrict(batches, clients, round_idx)
+        self.local_steps_drawn = self.local_steps_drawn + batches.active.sum()
         if epochs is not None and self.executor.graphs is not None:
             # Rounds differ in their largest client; pad to the largest of all clients (idle
             # steps change nothing) so that one recorded round serves every round.
@@ -450,14 +465,44 @@ class FederatedMethod(LightningModule, ABC):
         seed = derive_seed(self.hp.seed, round_idx, NOISE_STREAM)
         return torch.Generator(self.device).manual_seed(seed)
 
-    def client_weights(self, clients: Tensor) -> Tensor:
-        """Training-sample counts of ``clients`` normalized to sum to one."""
-        n = self.data.num_samples("train")[clients.to(self.data.device)].double()
-        return (n / n.sum()).to(self.device)
+    def client_weights(
+        self, clients: Tensor, round_idx: int | None = None, uniform: bool = False
+    ) -> Tensor:
+        """Training-sample counts of ``clients`` (``uniform``: ones) normalized to sum to one
+        over the clients that reported back in round ``round_idx`` (:meth:`arrived`); zero for
+        the others, all zero when none did. ``round_idx`` None: over all ``clients``."""
+        ids = clients.to(self.data.device)
+        n = self.data.num_samples("train")[ids].double()
+        if uniform:
+            n = torch.ones_like(n)
+        if round_idx is not None and self.unreliable is not None:
+            n = n * self.arrived(ids, round_idx).to(n)
+        return (n / n.sum().clamp_min(1)).to(self.device)  # counts: a sum > 0 is >= 1
+
+    def arrived(self, clients: Tensor, round_idx: int) -> Tensor:
+        """Whether each of ``clients`` reported back in round ``round_idx`` (bool ``[C]``; all
+        True without ``conditions``)."""
+        if self.unreliable is None:
+            return torch.ones(len(clients), dtype=torch.bool, device=clients.device)
+        arrives = self.unreliable.draws(round_idx).arrives.to(clients.device)
+        return arrives[clients]
+
+    def nothing_arrived(self, clients: Tensor, round_idx: int) -> bool:
+        """Whether none of ``clients`` reported back in round ``round_idx``: the server then
+        leaves its state unchanged. Server side: reads the mask on the host."""
+        return self.unreliable is not None and not bool(self.arrived(clients, round_idx).any())
 
     def record_communication(self, down: Mapping[str, Tensor], up: Mapping[str, Tensor]) -> None:
-        """Count the bytes of what the server sent and received this round (all clients)."""
-        self._round_bytes = [float(payload_bytes(down)), float(payload_bytes(up))]
+        """Count the bytes of what the server sent and received this round (all clients).
+
+        With ``conditions``, ``down`` and ``up`` stacked over the round's sampled clients count
+        only the rows of the clients contacted (available) and of those that reported back.
+        """
+        down_bytes, up_bytes = float(payload_bytes(down)), float(payload_bytes(up))
+        if self.unreliable is not None and self.round_reach[0] == self.global_step:
+            _, sampled, contacted, arrived = self.round_reach
+            down_bytes, up_bytes = down_bytes * contacted / sampled, up_bytes * arrived / sampled
+        self._round_bytes = [down_bytes, up_bytes]
 
     # ----------------------------------------------------------------- Lightning plumbing
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -516,7 +561,12 @@ class FederatedMethod(LightningModule, ABC):
             derive_seed(self.hp.seed, round_idx, CLIENT_STREAM)
         )
         chosen = torch.randperm(self.num_training_clients, generator=generator)
-        return chosen[: self.hp.clients_per_round].sort().values.to(self.device)
+        if self.unreliable is not None:
+            chosen = self.unreliable.order_by_availability(chosen, round_idx)
+        sample = chosen[: self.hp.clients_per_round].sort().values
+        if self.unreliable is not None:
+            self.round_reach = (round_idx, len(sample), *self.unreliable.counts(sample, round_idx))
+        return sample.to(self.device)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         round_idx = self.global_step

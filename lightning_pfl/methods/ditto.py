@@ -32,6 +32,8 @@ class Ditto(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self, lam: NonNegativeFloat = 0.1, personal_epochs: PositiveInt | None = None, **kwargs: Any
     ) -> None:

@@ -47,6 +47,8 @@ class FedAvg(FederatedMethod):
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self, server_lr: PositiveFloat = 1.0, server_momentum: Momentum = 0.0, **kwargs: Any
     ) -> None:
@@ -105,7 +107,8 @@ class FedAvg(FederatedMethod):
         uploaded = {n: result.params[n] for n in sent}
         dp = self.client_dp
         if dp is None:
-            self.aggregate(uploaded, self.client_weights(clients))
+            if not self.nothing_arrived(clients, round_idx):
+                self.aggregate(uploaded, self.client_weights(clients, round_idx))
         else:
             # DP-FedAvg's fixed denominator qN with w_k = 1: exactly clients_per_round here.
             generator = self.client_dp_generator(round_idx)

@@ -26,6 +26,8 @@ class FedBN(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if not self.personal_names():

@@ -19,5 +19,7 @@ class FedPer(FedAvg):
     local SGD settings; the paper's "base + personalization layers" split is body / head.
     """
 
+    honours_conditions = True
+
     def personal_names(self) -> tuple[str, ...]:
         return self.arch.head_names

@@ -55,6 +55,8 @@ class FedProx(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(self, mu: NonNegativeFloat = 0.01, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.trainable = tuple(self.arch.shapes)

@@ -31,6 +31,8 @@ class FedRep(FedAvg):
             ``local_steps`` are not used.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         head_epochs: PositiveInt = 10,

@@ -31,6 +31,8 @@ class LGFedAvg(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         global_layers: PositiveInt = 1,

@@ -21,6 +21,8 @@ class Local(FederatedMethod):
     initialization, as every client does.
     """
 
+    honours_conditions = True
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.store.add_field("params", self.arch.initial_state())  # with batch-norm statistics

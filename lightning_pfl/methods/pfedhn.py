@@ -82,6 +82,8 @@ class PFedHN(FederatedMethod):
             the base defaults.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         embed_dim: PositiveInt | None = None,
@@ -161,24 +163,36 @@ class PFedHN(FederatedMethod):
         delta = {n: start[n] - result.params[n] for n in start}
         if self.client_dp is not None:
             self.set_private_gradients(generated, delta, self.client_dp_generator(round_idx))
-        else:
+        elif self.unreliable is None:
             self.update_hypernetwork(generated, delta)
+        elif not self.nothing_arrived(clients, round_idx):
+            arrived = self.arrived(clients, round_idx)
+            weights = self.client_weights(clients, round_idx, uniform=True)
+            weights = weights.to(next(iter(delta.values())))
+            self.update_hypernetwork(generated, delta, weights, arrived.nonzero().flatten())
         self.record_communication(down=start, up=delta)
         return result.loss
 
-    def update_hypernetwork(self, generated: Params, delta: Params) -> None:
-        """Set the server gradient from the clients' deltas (``hn_update: mean``), or step per
-        client (``per_client``: each client's J_i^T delta_i, all at the round's starting phi,
-        applied one optimizer step at a time; the base class takes the last step)."""
+    def update_hypernetwork(
+        self,
+        generated: Params,
+        delta: Params,
+        weights: Tensor | None = None,
+        rows: Tensor | None = None,
+    ) -> None:
+        """Set the server gradient from the clients' deltas (``hn_update: mean``, weighted by
+        ``weights``, default 1/C), or step per client (``per_client``: each client's
+        J_i^T delta_i of the ``rows`` that reported back (default all), all at the round's
+        starting phi, applied one optimizer step at a time; the base class takes the last)."""
         if self.hp.hn_update == "mean":
-            self.set_hypernetwork_gradients(generated, delta)
+            self.set_hypernetwork_gradients(generated, delta, weights=weights)
             return
         optimizer = self.server_optimizer
         assert optimizer is not None, "configure_optimizers() sets the server optimizer"
         params = [p for p in self.hnet.parameters() if p.requires_grad]
         count = len(next(iter(delta.values())))
         per_client = []
-        for i in range(count):
+        for i in range(count) if rows is None else rows.tolist():
             self.set_hypernetwork_gradients(
                 generated, {n: d[i : i + 1] for n, d in delta.items()}, rows=slice(i, i + 1)
             )
@@ -186,7 +200,7 @@ class PFedHN(FederatedMethod):
         for i, grads in enumerate(per_client):
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
-            if i < count - 1:
+            if i < len(per_client) - 1:
                 optimizer.step()
 
     def set_hypernetwork_gradients(

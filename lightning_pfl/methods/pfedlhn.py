@@ -103,6 +103,8 @@ class PFedLHN(PFedHN):
             optimizer ``hn_lr`` etc. and the inner loop).
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         hidden_dim: PositiveInt = 100,
