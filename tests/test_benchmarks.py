@@ -462,10 +462,14 @@ def test_accuracy_jobs_run_each_seed_in_its_own_process_to_the_same_rows(
         rows = json.loads((out_dir / "digits" / "fedavg.json").read_text())["rows"]
         return [{k: v for k, v in r.items() if k != "seconds_per_round"} for r in rows]
 
-    in_processes = benchmark(tmp_path / "jobs", "--jobs", "2")
+    one_by_one = ["--model.init_args.vectorize=false", "--model.init_args.client_threads=1"]
+    in_processes = benchmark(tmp_path / "jobs", "--jobs", "2", "--extra", *one_by_one)
     assert [r["seed"] for r in in_processes] == [0, 1]
     assert (tmp_path / "jobs" / "logs" / "digits-dirichlet-fedavg-s1.log").exists()
-    assert in_processes == benchmark(tmp_path / "one_by_one")
+    assert in_processes == benchmark(tmp_path / "apart", "--seeds-apart", "--extra", *one_by_one)
+    # without --jobs the seeds are one job of the CLI (runs.seeds): the same rows
+    assert in_processes == benchmark(tmp_path / "together", "--extra", *one_by_one)
+    assert (tmp_path / "together" / "logs" / "digits-dirichlet-fedavg" / "seed_1").is_dir()
     with pytest.raises(
         SystemExit, match="2 of 2 runs failed or were stopped: digits-dirichlet-fedavg-s"
     ):

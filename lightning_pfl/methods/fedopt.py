@@ -125,6 +125,8 @@ class FedOpt(FedAvg):
             self.net.parameters(), h.adaptivity, h.server_lr, h.beta1, h.beta2, h.tau
         )
 
-    def client_weights(self, clients: Tensor) -> Tensor:
+    def client_weights(
+        self, clients: Tensor, round_idx: int | None = None, uniform: bool = True
+    ) -> Tensor:
         """Algorithm 2 averages the sampled clients' updates uniformly."""
-        return torch.full((len(clients),), 1 / len(clients), device=self.device)
+        return super().client_weights(clients, round_idx, uniform=True)
