@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+from copy import deepcopy
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -20,16 +21,17 @@ def hypernetwork_flops(hnet: nn.Module, clients: int, device: torch.device) -> i
     all of them and one backward (the vector-Jacobian product every update computes). Counted
     by FlopCounterMode (matrix products and convolutions; elementwise operations count 0)."""
     ids = torch.arange(clients, device=device)
-    params = [p for p in hnet.parameters() if p.requires_grad]
+    # A copy takes the backward: FlopCounterMode's module hooks fail under autograd.grad with
+    # parametrized layers (spectral norm), and .backward() would leave gradients on the server.
+    copy = deepcopy(hnet)
     with (
         torch.random.fork_rng(devices=[]),
         torch.enable_grad(),
         FlopCounterMode(display=False) as counter,
     ):
-        out = hnet(ids)
+        out = copy(ids)
         tensors = list(out.values()) if isinstance(out, dict) else [out]
-        total = torch.stack([t.float().sum() for t in tensors]).sum()
-        torch.autograd.grad(total, params, allow_unused=True)
+        torch.stack([t.float().sum() for t in tensors]).sum().backward()
     return int(counter.get_total_flops())
 
 
