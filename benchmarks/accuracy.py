@@ -170,7 +170,11 @@ def run_one(
         "--trainer.enable_progress_bar=false",
         *extra,
     ]
-    cli = run(args, callbacks)
+    return finished_run(run(args, callbacks))
+
+
+def finished_run(cli: Any) -> dict[str, Any]:
+    """A finished run's ``results.json`` with its training stability and majority-class floor."""
     assert cli.trainer.log_dir is not None, "the benchmark runs always have a logger"
     run_dir = Path(cli.trainer.log_dir)
     with open(run_dir / "results.json") as f:
@@ -195,15 +199,7 @@ def run_seeds(
     ]
     job = run(args).job
     assert job is not None
-    results = []
-    for member in job.members:
-        run_dir = Path(member.trainer.log_dir)
-        with open(run_dir / "results.json") as f:
-            result: dict[str, Any] = json.load(f)
-        result["stability"] = training_stability(run_dir)
-        result["majority_class"] = majority_class_accuracy(member.datamodule.partition_counts())
-        results.append(result)
-    return results
+    return [finished_run(member) for member in job.members]
 
 
 def majority_class_accuracy(counts: dict[str, np.ndarray]) -> dict[str, float]:
