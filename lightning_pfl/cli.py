@@ -129,7 +129,11 @@ class PFLCLI(LightningCLI):
     # ----------------------------------------------------------------- before instantiation
     def _set_seed(self) -> None:
         # LightningCLI seeds first and logs it; the paper check is to be the run's first line.
-        self.paper = self._paper_record(self.config[self.subcommand])
+        config = self.config[self.subcommand]
+        # The config as given, dumped once: the paper check, the experiment and the job read
+        # it (their model and data sections, which nothing changes before instantiation).
+        self.given = self._dumped(config)
+        self.paper = self._paper_record(config)
         super()._set_seed()
 
     def before_instantiate_classes(self) -> None:
@@ -137,7 +141,7 @@ class PFLCLI(LightningCLI):
         assert self.subcommand is not None
         check_trainer(config.trainer, self.subcommand)
         _check_links(config)
-        self.experiment = experiment_of(self._dumped(config))
+        self.experiment = experiment_of(self.given)
         logger = config.trainer.logger
         place_run(logger, config.trainer.get("default_root_dir"), config.get("config") or [])
         self.job = self._job(config)
@@ -181,7 +185,7 @@ class PFLCLI(LightningCLI):
         logger = config.trainer.logger
         if not isinstance(logger, Namespace) or "init_args" not in logger:
             raise ConfigError("runs needs the TensorBoard logger: each run gets its own folder.")
-        specs = expand(runs, flatten(self._dumped(config)))
+        specs = expand(runs, flatten(self.given))
         return Job(
             specs,
             Path(str(logger.init_args.save_dir)),
@@ -236,7 +240,7 @@ class PFLCLI(LightningCLI):
         if not files:
             return None
         path = Path(str(files[-1]))
-        record = paper_record(path, flatten(self._dumped(config)))
+        record = paper_record(path, flatten(self.given))
         if record is not None:
             rank_zero_info(describe_record(path, record))
         return record

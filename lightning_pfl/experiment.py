@@ -26,6 +26,7 @@ RUNTIME_KEYS = {
     "model.init_args.client_threads",
     "model.init_args.eval_batch_size",
     "model.init_args.last_evals",
+    "model.init_args.log_figures",
     "model.init_args.offload_client_state",
     "data.init_args.root",
     "data.init_args.download",

@@ -169,7 +169,8 @@ class NovelClients(Callback):
         logged = {"novel/train_clients_test_acc": train_acc, "novel/gap": summary["gap"]}
         for logger in trainer.loggers:
             logger.log_metrics(logged, step=0)
-        if trainer.is_global_zero and isinstance(trainer.logger, TensorBoardLogger):
+        figures = pl_module.hp.log_figures
+        if figures and trainer.is_global_zero and isinstance(trainer.logger, TensorBoardLogger):
             rows = summary["clients"]
             figure = gap_vs_distance_figure(
                 {

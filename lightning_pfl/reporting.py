@@ -16,8 +16,11 @@ MAX_LABELLED_TICKS = 40
 MAX_ANNOTATED_CELLS = 400
 
 
-def report_partition(data: FederatedDataModule, log_dir: str, logger: Any) -> None:
-    """Save ``partition.json`` and ``partition_<split>.csv`` and log a heatmap per split."""
+def report_partition(
+    data: FederatedDataModule, log_dir: str, logger: Any, figures: bool = True
+) -> None:
+    """Save ``partition.json`` and ``partition_<split>.csv`` and (``figures``) log a heatmap
+    per split."""
     os.makedirs(log_dir, exist_ok=True)
     counts = data.partition_counts()
     summary = {
@@ -41,7 +44,7 @@ def report_partition(data: FederatedDataModule, log_dir: str, logger: Any) -> No
             comments="",
         )
     experiment = getattr(logger, "experiment", None)
-    if experiment is not None and hasattr(experiment, "add_figure"):
+    if figures and experiment is not None and hasattr(experiment, "add_figure"):
         for split, matrix in counts.items():
             experiment.add_figure(f"partition/{split}_counts", heatmap(matrix, split), 0)
 

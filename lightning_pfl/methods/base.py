@@ -142,6 +142,10 @@ class FederatedMethod(LightningModule, ABC):
             mean +- std over evaluations every 5 rounds in the last 200 rounds: 40 with
             ``trainer.val_check_interval: 5``). Reporting only: it may change on resume.
         offload_client_state: keep per-client state in pinned CPU memory.
+        log_figures: draw the run's matplotlib figures into TensorBoard (the partition
+            heatmaps, per-client accuracy at every evaluation, the novel-client gap). False:
+            scalars, histograms and the partition files only; a short run then spends about
+            half as long on logging. Reporting only: it may change on resume.
         seed: seed of initialization, client sampling, batches and dropout.
         novel_clients: the last this many client ids are held out of training (never sampled)
             and of the validation and test metrics, for the novel-client generalization
@@ -181,6 +185,7 @@ class FederatedMethod(LightningModule, ABC):
         select_metric: Literal["acc", "acc_weighted"] = "acc",
         last_evals: PositiveInt = 10,
         offload_client_state: bool = False,
+        log_figures: bool = True,
         seed: Seed = 0,
         novel_clients: NonNegativeInt = 0,
         client_dp: ClientDP | None = None,
@@ -527,7 +532,7 @@ class FederatedMethod(LightningModule, ABC):
         self._place_state()
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
         if self.trainer.is_global_zero and self.logger is not None and log_dir is not None:
-            report_partition(self.data, log_dir, self.logger)
+            report_partition(self.data, log_dir, self.logger, figures=self.hp.log_figures)
 
     def on_train_start(self) -> None:
         if self.global_step == 0:
@@ -712,6 +717,8 @@ class FederatedMethod(LightningModule, ABC):
         seen = per_client[~per_client.isnan()].cpu()
         experiment = self.logger.experiment
         experiment.add_histogram(f"{prefix}/client_acc", seen, self.global_step)
+        if not self.hp.log_figures:
+            return
         experiment.add_figure(
             f"{prefix}/client_acc_sorted",
             per_client_figure(seen, f"{prefix} accuracy per client, round {self.global_step}"),
