@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_pfl.cli import run
+from lightning_pfl.cli import PFLCLI, run
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.methods import FederatedMethod
 from tests.conftest import build, digits_data, fit
@@ -16,16 +16,27 @@ from tests.conftest import build, digits_data, fit
 CONF = Path(__file__).parent / "conf"
 
 
-def cli(config: Path, save_dir: Path, *extra: str, subcommand: str = "fit") -> dict[str, Any]:
-    """Run the CLI in-process and return the run's ``results.json``."""
+def cli_run(
+    config: Path, save_dir: Path, *extra: str, subcommand: str = "fit", figures: bool = False
+) -> PFLCLI:
+    """Run the CLI in-process; without the figures (``log_figures``, about half of a short
+    run's time) unless ``figures``."""
     args = [
         subcommand,
         f"--config={config}",
         f"--trainer.logger.init_args.save_dir={save_dir}",
         "--trainer.enable_progress_bar=false",
+        f"--model.init_args.log_figures={str(figures).lower()}",
         *extra,
     ]
-    instance = run(args)
+    return run(args)
+
+
+def cli(
+    config: Path, save_dir: Path, *extra: str, subcommand: str = "fit", figures: bool = False
+) -> dict[str, Any]:
+    """:func:`cli_run`, returning the run's ``results.json``."""
+    instance = cli_run(config, save_dir, *extra, subcommand=subcommand, figures=figures)
     with open(Path(instance.trainer.log_dir) / "results.json") as f:
         return json.load(f)  # type: ignore[no-any-return]
 

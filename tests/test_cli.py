@@ -1,33 +1,72 @@
+import json
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
+from lightning.pytorch import Trainer
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_pfl.cli import PFLCLI
 from lightning_pfl.console import result_lines
 from lightning_pfl.errors import ConfigError
-from tests.helpers import CONF, assert_resume_is_exact, cli, run_dir
+from lightning_pfl.experiment import LAST_CHECKPOINT
+from tests.helpers import CONF, assert_resume_is_exact, cli, cli_run, run_dir
 
 CONFIGS = sorted(CONF.glob("*.yaml"))
+
+
+# Configs whose checkpoint the CLI's own ``test --ckpt_path`` reads back (one of each kind: a
+# global model, a hypernetwork, client groups, a model zoo, transformers, novel clients); every
+# other config's checkpoint is read back in-process by the same Trainer.test the CLI calls.
+TESTED_BY_THE_CLI = {"fedavg", "pfedhn", "fedsimsup", "mh_pfedhn", "fedtp", "pfedhn_novel"}
+
+
+def read_back(fitted: PFLCLI) -> dict[str, Any]:
+    """``test --ckpt_path last.ckpt`` without a second CLI: a fresh method built from the run's
+    hyperparameters, the checkpoint restored by the Trainer.test the CLI calls."""
+    hparams = {k: v for k, v in fitted.model.hparams.items() if not k.startswith("_")}
+    method = type(fitted.model)(**hparams)  # jsonargparse adds _class_path
+    log_dir = Path(str(fitted.trainer.log_dir))
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    trainer.test(method, datamodule=fitted.datamodule, ckpt_path=log_dir / LAST_CHECKPOINT)
+    return method.results()  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_fit_then_test_through_the_cli(config: Path, tmp_path: Path, fake_data_root: str) -> None:
     root = f"--data.init_args.root={fake_data_root}"
-    fitted = cli(config, tmp_path, root)
+    instance = cli_run(config, tmp_path, root)
+    fitted = json.loads((Path(str(instance.trainer.log_dir)) / "results.json").read_text())
     assert fitted["rounds"] == 4 and fitted["best_round"] in (0, 2, 4)
     for key in ("acc", "acc_weighted", "acc_std", "acc_min", "acc_p10", "loss"):
         assert 0 <= fitted["test_last"][key] < (1.0001 if key.startswith("acc") else 100)
     folder = run_dir(tmp_path, config)
     assert (folder / "partition.json").exists() and (folder / "partition_train.csv").exists()
-    last = f"--ckpt_path={folder / 'checkpoints' / 'last.ckpt'}"
-    tested = cli(config, tmp_path, root, last, subcommand="test")
-    assert tested["subcommand"] == "test"
+    if config.stem in TESTED_BY_THE_CLI:
+        last = f"--ckpt_path={folder / 'checkpoints' / 'last.ckpt'}"
+        tested = cli(config, tmp_path, root, last, subcommand="test")
+        assert tested["subcommand"] == "test"
+    else:
+        tested = read_back(instance)
     assert tested["test_last"]["acc"] == pytest.approx(fitted["test_last"]["acc"])
     assert tested["test_at_best_val"] == fitted["test_at_best_val"]
     if config.stem == "fedsimsup":
         for kind in ("cnn", "vit"):
             assert 0 <= fitted["test_last"][f"supervisor_{kind}/acc"] <= 1
+
+
+@pytest.mark.parametrize("figures", [True, False])
+def test_figures_reach_tensorboard_unless_switched_off(figures: bool, tmp_path: Path) -> None:
+    config = CONF / "fedavg.yaml"
+    cli(config, tmp_path, figures=figures)
+    folder = run_dir(tmp_path, config)
+    tags = EventAccumulator(str(folder), size_guidance={"images": 0}).Reload().Tags()
+    drawn = {"partition/train_counts", "partition/test_counts", "val/client_acc_sorted"}
+    assert drawn <= set(tags["images"]) if figures else not set(tags["images"])
+    assert "val/client_acc" in tags["histograms"] and "val/acc" in tags["scalars"]
+    assert (folder / "partition.json").exists() and (folder / "partition_train.csv").exists()
 
 
 @pytest.mark.parametrize("method", ["fedavg", "pfedhn_pc", "fedsimsup"])

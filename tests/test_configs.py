@@ -1,4 +1,5 @@
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -20,18 +21,40 @@ def entries_listing(config: Path) -> list[PaperEntry]:
     return [entry for entry in FACTS if relative in entry.configs]
 
 
+@pytest.fixture(scope="module")
+def fit_parser() -> Any:
+    """The CLI's ``fit`` parser, built once: what ``fit --config X --print_config`` parses with."""
+    cli = run(
+        ["fit", f"--config={ROOT / 'configs' / 'digits' / 'fedavg.yaml'}"], run_subcommand=False
+    )
+    return cli.parser
+
+
+def test_print_config_prints_the_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run(
+            [
+                "fit",
+                f"--config={ROOT / 'configs' / 'pfedhn' / 'table1_cifar10_50clients.yaml'}",
+                "--print_config",
+            ]
+        )
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["class_path"].endswith("PFedHN") and printed["trainer"]["max_steps"]
+
+
 @pytest.mark.parametrize(
     "config", CONFIGS, ids=[str(c.relative_to(ROOT / "configs")) for c in CONFIGS]
 )
 def test_every_shipped_config_parses_and_holds_its_papers_settings(
-    config: Path, capsys: pytest.CaptureFixture[str]
+    config: Path, fit_parser: Any
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        run(["fit", f"--config={config}", "--print_config"])
-    assert exit_info.value.code in (0, None)
-    printed = capsys.readouterr().out
-    assert "class_path" in printed and "max_steps" in printed
-    flat = flatten(yaml.safe_load(printed))
+    """Parsed and resolved as ``--print_config`` does (one parser for every config)."""
+    parsed = fit_parser.parse_args(["fit", f"--config={config}"])
+    printed = yaml.safe_load(fit_parser.dump(parsed, skip_none=False))["fit"]
+    assert "class_path" in printed["model"] and "max_steps" in printed["trainer"]
+    flat = flatten(printed)
     for entry in entries_listing(config):
         found = [o.describe() for o in overrides(entry, flat)]
         assert not found, f"{entry.facts.name} {entry.name}: {found}"

@@ -242,6 +242,7 @@ def test_a_job_writes_each_runs_folder_as_alone_and_a_summary(tmp_path: Path) ->
         f"--config={FEDAVG}",
         "--model.init_args.vectorize=false",
         "--model.init_args.client_threads=1",
+        "--model.init_args.log_figures=false",
         "--trainer.enable_progress_bar=false",
     ]
     job = run(
@@ -289,6 +290,7 @@ JOB = [
     "--model.init_args.local_steps=6",
     "--model.init_args.vectorize=false",
     "--model.init_args.client_threads=1",
+    "--model.init_args.log_figures=false",
     "--runs.seeds=[0, 1]",
 ]
 
