@@ -141,6 +141,7 @@ class PFLCLI(LightningCLI):
         assert self.subcommand is not None
         check_trainer(config.trainer, self.subcommand)
         _check_links(config)
+        _check_validation_split(config, self.subcommand)
         self.experiment = experiment_of(self.given)
         logger = config.trainer.logger
         place_run(logger, config.trainer.get("default_root_dir"), config.get("config") or [])
@@ -324,6 +325,40 @@ def _check_links(config: Namespace) -> None:
             )
             + "."
         )
+
+
+def _check_validation_split(config: Namespace, subcommand: str) -> None:
+    """Refuse what needs a validation split when the data has none (``val_fraction: 0``):
+    the ``validate`` subcommand, a ``select_metric`` other than the default, and callbacks
+    monitoring a ``val/`` metric (best-round checkpoints, early stopping)."""
+    if config.data.init_args.get("val_fraction", 1) > 0:
+        return
+    why = "data.init_args.val_fraction is 0: the clients have no validation split"
+    fix = "set data.init_args.val_fraction > 0"
+    if subcommand == "validate":
+        raise ConfigError(
+            f"validate evaluates the validation split, but {why}; {fix}, or use test."
+        )
+    if config.model.init_args.get("select_metric", "acc") != "acc":
+        raise ConfigError(
+            f"model.init_args.select_metric = {config.model.init_args.select_metric!r} picks the "
+            f"best-validation round, but {why} and no round is selected; remove select_metric, "
+            f"or {fix}."
+        )
+    monitors = [("checkpoint.monitor", config.get("checkpoint", Namespace()).get("monitor"))]
+    callbacks = config.trainer.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        if isinstance(callback, Namespace) and "init_args" in callback:
+            name = str(callback.class_path).rsplit(".", 1)[-1]
+            monitors.append(
+                (f"trainer.callbacks {name}.monitor", callback.init_args.get("monitor"))
+            )
+    for argument, monitor in monitors:
+        if isinstance(monitor, str) and monitor.startswith("val/"):
+            raise ConfigError(
+                f"{argument} = {monitor!r} needs a validation metric, but {why}; remove the "
+                f"monitor (or the callback), or {fix}."
+            )
 
 
 def _run_dir(logger: Namespace) -> Path:

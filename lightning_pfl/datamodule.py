@@ -85,7 +85,9 @@ class FederatedDataModule(LightningDataModule):
             partitioning, a uniformly random sample (not stratified by class; as the pFedHN
             code; pFedHN on CIFAR: 0.2 = 10,000 images); each client's validation set then
             takes its training class shares of it. ``holdout``: fraction of each client's
-            samples. 0 disables validation.
+            samples. 0: no validation split (as FedTP); the test split is still evaluated
+            every ``trainer.val_check_interval`` rounds, but no round is selected by
+            validation.
         test_fraction: ``holdout`` only: fraction of each client's samples used for testing.
         root: folder holding the dataset files (torchvision layout).
         download: let torchvision download missing files.
@@ -172,6 +174,11 @@ class FederatedDataModule(LightningDataModule):
     @property
     def device(self) -> torch.device:
         return self.inputs.device
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether the clients have a validation split (``val_fraction > 0``)."""
+        return self.val_fraction > 0
 
     def describe(self) -> dict[str, Any]:
         """The settings that define the clients' data (for HParams and run records)."""
@@ -371,7 +378,9 @@ class FederatedDataModule(LightningDataModule):
         return RoundIndices(self)
 
     def val_dataloader(self) -> ClientChunks:
-        return ClientChunks(self.client_chunks() if self.val_fraction > 0 else [])
+        # Without a validation split the loop still runs at the same rounds: it is what
+        # evaluates the test split periodically (FederatedMethod.validation_step).
+        return ClientChunks(self.client_chunks())
 
     def test_dataloader(self) -> ClientChunks:
         return ClientChunks(self.client_chunks())

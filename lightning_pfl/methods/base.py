@@ -104,7 +104,9 @@ class FederatedMethod(LightningModule, ABC):
 
     Validation runs before the first round (round 0), every ``trainer.val_check_interval``
     rounds and after the final round; the round with the best validation ``select_metric`` is
-    the "best round", whose test accuracy is reported as ``test_best/*``.
+    the "best round", whose test accuracy is reported as ``test_best/*``. Each of these rounds
+    also evaluates the test split (``eval_history``); without a validation split (the data's
+    ``val_fraction: 0``) they evaluate only the test split and no round is selected.
 
     Args:
         num_clients: number of clients n (linked from the DataModule).
@@ -138,6 +140,8 @@ class FederatedMethod(LightningModule, ABC):
             size are grouped by sample count, :meth:`FederatedDataModule.ragged_eval_blocks`).
         select_metric: validation metric that picks the best round: ``acc`` (mean over
             clients, the pFedHN paper's formula) or ``acc_weighted`` (pooled, its code's).
+            Without a validation split only the default is accepted (the CLI refuses
+            ``acc_weighted``: nothing is selected).
         last_evals: how many of the final evaluations ``test_last_evals`` averages (FedTP's
             mean +- std over evaluations every 5 rounds in the last 200 rounds: 40 with
             ``trainer.val_check_interval: 5``). Reporting only: it may change on resume.
@@ -539,7 +543,9 @@ class FederatedMethod(LightningModule, ABC):
             if self.trainer.is_global_zero and isinstance(self.logger, TensorBoardLogger):
                 _log_hparams_table(self.logger, self.hparam_table())
             if self._validation_enabled():
-                self._record_validation(*self._evaluate_all("val"))
+                self._record_validation(
+                    self._evaluate_all("val") if self.data.has_validation else None
+                )
 
     def _validation_enabled(self) -> bool:
         return bool(self.data.val_dataloader()) and self.trainer.limit_val_batches != 0
@@ -673,8 +679,9 @@ class FederatedMethod(LightningModule, ABC):
         return correct, total, loss_sum
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        clients = self.training_clients_of(batch)
-        self.val_metric.update(clients, *self.evaluate(clients, "val"))
+        if self.data.has_validation:  # without, the loop only schedules the test's evaluation
+            clients = self.training_clients_of(batch)
+            self.val_metric.update(clients, *self.evaluate(clients, "val"))
 
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
         clients = self.training_clients_of(batch)
@@ -689,27 +696,33 @@ class FederatedMethod(LightningModule, ABC):
             metric.update(chunk, *self.evaluate(chunk, split))
         return {k: float(v) for k, v in metric.compute().items()}, metric.per_client()
 
-    def _record_validation(self, stats: dict[str, float], per_client: Tensor) -> None:
-        """Make this round a best-round candidate, evaluate the test split at it and log both."""
+    def _record_validation(self, validation: tuple[dict[str, float], Tensor] | None) -> None:
+        """Evaluate the test split at this round and log it; with ``validation`` (statistics
+        and per-client accuracies; None: the data has no validation split) also make the round
+        a best-round candidate and log the validation."""
         key = self.hp.select_metric
         round_idx = int(self.global_step)
-        self.last_val = {**stats, "round": round_idx}
         test = self._evaluate_all("test")[0]
         self.eval_history.append({"round": round_idx, **{k: test[k] for k in ACCURACIES}})
-        if not self.best or stats[key] > self.best["val"][key]:
-            self.best = {"round": round_idx, "val": stats, "test": test}
-        logged = {f"val/{k}": v for k, v in stats.items()}
-        logged["val/best_acc"] = self.best["val"][key]
-        logged |= {f"test_eval/{k}": test[k] for k in ACCURACIES}
-        self._log_at_round(logged)
-        self._log_client_accuracy("val", per_client)
-        if self.trainer.is_global_zero and self.trainer.progress_bar_callback is None:
-            rank_zero_info(
-                f"round {self.global_step}/{self.trainer.max_steps}: val acc {stats['acc']:.4f} "
-                f"(weighted {stats['acc_weighted']:.4f}), best {self.best['val'][key]:.4f} at "
-                f"round {self.best['round']}, {self.train_seconds / max(self.rounds_timed, 1):.3f}"
-                " s/round"
+        logged = {f"test_eval/{k}": test[k] for k in ACCURACIES}
+        speed = f"{self.train_seconds / max(self.rounds_timed, 1):.3f} s/round"
+        if validation is None:
+            summary = f"test acc {test['acc']:.4f} (weighted {test['acc_weighted']:.4f})"
+        else:
+            stats, per_client = validation
+            self.last_val = {**stats, "round": round_idx}
+            if not self.best or stats[key] > self.best["val"][key]:
+                self.best = {"round": round_idx, "val": stats, "test": test}
+            logged |= {f"val/{k}": v for k, v in stats.items()}
+            logged["val/best_acc"] = self.best["val"][key]
+            self._log_client_accuracy("val", per_client)
+            summary = (
+                f"val acc {stats['acc']:.4f} (weighted {stats['acc_weighted']:.4f}), best "
+                f"{self.best['val'][key]:.4f} at round {self.best['round']}"
             )
+        self._log_at_round(logged)
+        if self.trainer.is_global_zero and self.trainer.progress_bar_callback is None:
+            rank_zero_info(f"round {self.global_step}/{self.trainer.max_steps}: {summary}, {speed}")
 
     def _log_client_accuracy(self, prefix: str, per_client: Tensor) -> None:
         if not (isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero):
@@ -726,12 +739,16 @@ class FederatedMethod(LightningModule, ABC):
         )
 
     def on_validation_epoch_end(self) -> None:
+        if not self.data.has_validation:
+            if not self.trainer.sanity_checking:
+                self._record_validation(None)
+            return
         stats = {k: float(v) for k, v in self.val_metric.compute().items()}
         per_client = self.val_metric.per_client()
         self.val_metric.reset()
         if self.trainer.sanity_checking:
             return
-        self._record_validation(stats, per_client)
+        self._record_validation((stats, per_client))
         key = self.hp.select_metric
         for name, value in (("val/acc", stats["acc"]), ("val/acc_weighted", stats["acc_weighted"])):
             self.log(name, value, prog_bar=True, logger=False, sync_dist=True)
@@ -811,7 +828,8 @@ class FederatedMethod(LightningModule, ABC):
             "rounds": self.current_round,
             "stopped_by": self.stopped_by,
             "seconds_per_round": self.train_seconds / max(self.rounds_timed, 1),
-            "select_metric": self.hp.select_metric,
+            # None without a validation split: no round is selected (best_round etc. are None)
+            "select_metric": self.hp.select_metric if self.data.has_validation else None,
             "val_last": self.last_val,
             "best_round": self.best.get("round"),
             "val_at_best": self.best.get("val"),
