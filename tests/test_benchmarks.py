@@ -16,6 +16,8 @@ from lightning_pfl.experiment import checkpointed_versions
 from tests.conftest import build, digits_data
 from tests.helpers import CONF, cli, run_dir
 
+# the benchmarks' CLI runs in these tests draw no figures (log_figures; test_cli checks them)
+NO_FIGURES = ["--model.init_args.log_figures=false"]
 TINY = {"workload": "lenet5_mnist", "batch": 32, "batches_per_epoch": 4, "steps": 2}
 
 
@@ -406,9 +408,10 @@ def test_accuracy_resume_goes_on_from_an_interrupted_runs_checkpoint_to_the_same
 ) -> None:
     from benchmarks import accuracy
 
-    def benchmark(log_dir: Path, out_dir: Path, *more: str) -> dict:
+    def benchmark(log_dir: Path, out_dir: Path, *more: str, extra: tuple[str, ...] = ()) -> dict:
         argv = ["accuracy", "--setting", "digits", "--methods", "fedavg", "--splits", "dirichlet"]
         argv += ["--rounds-scale", str(4 / 300), "--log-dir", str(log_dir)]
+        more = (*more, "--extra", *NO_FIGURES, *extra)
         monkeypatch.setattr(sys, "argv", [*argv, "--out-dir", str(out_dir), *more])
         accuracy.main()
         rows = json.loads((out_dir / "digits" / "fedavg.json").read_text())["rows"]
@@ -417,7 +420,7 @@ def test_accuracy_resume_goes_on_from_an_interrupted_runs_checkpoint_to_the_same
 
     run = "digits-dirichlet-fedavg-s0"
     assert not checkpointed_versions(tmp_path / "stopped" / run)
-    halfway = benchmark(tmp_path / "stopped", tmp_path / "out", "--extra", "--trainer.max_steps=2")
+    halfway = benchmark(tmp_path / "stopped", tmp_path / "out", extra=("--trainer.max_steps=2",))
     assert halfway["rounds"] == 2
     assert checkpointed_versions(tmp_path / "stopped" / run)
     resumed = benchmark(tmp_path / "stopped", tmp_path / "out", "--resume")
@@ -434,7 +437,8 @@ def test_an_accuracy_rows_cli_arguments_train_the_same_row_again(
 
     argv = ["accuracy", "--setting", "digits", "--methods", "fedavg", "--splits", "dirichlet"]
     argv += ["--seeds", "1", "--rounds-scale", str(3 / 300), "--log-dir", str(tmp_path / "logs")]
-    argv += ["--out-dir", str(tmp_path / "out"), "--extra", "--model.init_args.local_epochs=2"]
+    argv += ["--out-dir", str(tmp_path / "out"), "--extra", *NO_FIGURES]
+    argv += ["--model.init_args.local_epochs=2"]
     monkeypatch.setattr(sys, "argv", argv)
     accuracy.main()
     [row] = json.loads((tmp_path / "out" / "digits" / "fedavg.json").read_text())["rows"]
@@ -463,6 +467,7 @@ def test_accuracy_jobs_run_each_seed_in_its_own_process_to_the_same_rows(
         return [{k: v for k, v in r.items() if k != "seconds_per_round"} for r in rows]
 
     one_by_one = ["--model.init_args.vectorize=false", "--model.init_args.client_threads=1"]
+    one_by_one += NO_FIGURES
     in_processes = benchmark(tmp_path / "jobs", "--jobs", "2", "--extra", *one_by_one)
     assert [r["seed"] for r in in_processes] == [0, 1]
     assert (tmp_path / "jobs" / "logs" / "digits-dirichlet-fedavg-s1.log").exists()
@@ -489,7 +494,7 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
     command += ["--methods", "fedavg", "--splits", "dirichlet", "--seeds", "0", "1"]
     command += ["--rounds-scale", str(24 / 300), "--log-dir", str(logs)]
     command += ["--out-dir", str(tmp_path / "out")]
-    cheap_rounds = ["--extra", "--model.init_args.local_steps=2"]
+    cheap_rounds = ["--extra", "--model.init_args.local_steps=2", *NO_FIGURES]
     names = [accuracy.run_name("digits", "dirichlet", "fedavg", seed) for seed in (0, 1)]
     benchmark = subprocess.Popen(
         [*command, *cheap_rounds],
