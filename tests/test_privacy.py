@@ -12,6 +12,7 @@ import dp_accounting as dpa
 import pytest
 import torch
 
+from lightning_pfl.conditions import Conditions
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FedAvg, FedPer, FedProto, Local, PFedHN
@@ -32,6 +33,7 @@ from tests.helpers import (
     run_dir,
 )
 from tests.test_bad_inputs import run_cli
+from tests.test_conditions import round_with_drops
 
 NO_DP = ClientDP(noise_multiplier=0.0, clip_norm=math.inf)
 
@@ -112,6 +114,33 @@ def test_fedavg_round_applies_the_mean_of_the_clipped_updates() -> None:
     for n, p in method.net.named_parameters():  # grad = w - (w + mean_k clip(Delta_k))
         clipped = deltas[n] * (clip / norms).view(-1, *[1] * (deltas[n].dim() - 1))
         torch.testing.assert_close(p.grad, -clipped.mean(0), rtol=1e-4, atol=1e-7)
+
+
+def test_with_drops_the_fixed_denominator_counts_the_clients_that_did_not_report() -> None:
+    """DP-FedAvg with unreliable clients: the server adds the clipped updates of the clients
+    that reported back and divides by the fixed qN (its sensitivity does not depend on who
+    arrived); a dropped client contributes nothing."""
+    clip = 0.05
+    method = build(
+        FedAvg,
+        digits_data(6),
+        clients_per_round=4,
+        client_dp=ClientDP(0.0, clip),
+        conditions=Conditions(drop_rate=0.5),
+    )
+    r = round_with_drops(method)
+    clients = method.sample_clients(r)
+    arrived = method.arrived(clients, r)
+    trained = capture_local_training(method)
+    before = {n: p.detach().clone() for n, p in method.net.named_parameters()}
+    method.run_round(r, clients)
+    deltas = {n: trained[0].params[n] - before[n] for n in before}
+    norms = torch.cat([d.flatten(1) for d in deltas.values()], 1).norm(dim=1)
+    assert torch.equal(norms == 0, ~arrived), "a dropped client's upload is what it received"
+    for n, p in method.net.named_parameters():
+        factor = (clip / norms.clamp_min(clip)).view(-1, *[1] * (deltas[n].dim() - 1))
+        expected = (deltas[n] * factor)[arrived].sum(0) / 4
+        torch.testing.assert_close(p.grad, -expected, rtol=1e-4, atol=1e-7)
 
 
 def test_noise_std_is_sigma_c_over_the_expected_clients() -> None:
