@@ -286,3 +286,28 @@ def test_round_costs_follow_the_steps_taken() -> None:
     assert cut.totals["flops_server"] == full.totals["flops_server"]  # same clients per round
     step = method.executor.step_flops(method.arch)
     assert cut.totals["flops_local"] == step * cut.totals["local_steps"]
+
+
+def test_train_loss_averages_the_clients_that_reported_back() -> None:
+    dm = digits_data(6)
+    method = build(FedAvg, dm, clients_per_round=4, conditions=Conditions(**DROP))
+    rounds = round_with_drops(method) + 1
+    logged: list[float] = []
+    expected: list[float] = []
+    log_at_round, run_round = method._log_at_round, method.run_round
+
+    def log(metrics: dict[str, float]) -> None:
+        if "train/loss" in metrics:
+            logged.append(metrics["train/loss"])
+        log_at_round(metrics)
+
+    def round_losses(round_idx: int, clients: torch.Tensor) -> torch.Tensor:
+        losses = run_round(round_idx, clients)
+        arrived = method.arrived(clients, round_idx)
+        expected.append(float(losses[arrived].mean()) if arrived.any() else 0.0)
+        return losses
+
+    method._log_at_round = log  # type: ignore[method-assign]
+    method.run_round = round_losses  # type: ignore[method-assign]
+    fit(method, dm, rounds=rounds)
+    assert logged == pytest.approx(expected) and len(logged) == rounds

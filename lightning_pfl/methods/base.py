@@ -595,7 +595,12 @@ class FederatedMethod(LightningModule, ABC):
         with torch.random.fork_rng(devices=devices):  # dropout: seeded by round, resumable
             torch.manual_seed(derive_seed(self.hp.seed, round_idx, DROPOUT_STREAM))
             losses = self.run_round(round_idx, clients)
-        finite, loss = torch.stack([torch.isfinite(losses).all().float(), losses.mean()]).tolist()
+        if self.unreliable is None:
+            mean_loss = losses.mean()
+        else:  # a client that did not report back took no step: its loss is not a loss
+            reported = self.arrived(clients, round_idx).to(losses)
+            mean_loss = (losses * reported).sum() / reported.sum().clamp_min(1)
+        finite, loss = torch.stack([torch.isfinite(losses).all().float(), mean_loss]).tolist()
         if not finite:  # the round's one host sync: the check and the logged loss together
             bad = clients[~torch.isfinite(losses)].tolist()
             raise NonFiniteLossError(
