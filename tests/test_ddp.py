@@ -28,6 +28,7 @@ def fit(config: Path, save_dir: Path, *extra: str) -> tuple[dict, dict]:  # type
         "--trainer.max_steps=3",
         "--trainer.val_check_interval=3",
         "--test_after_fit=false",
+        "--model.init_args.log_figures=false",
         *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -326,7 +326,7 @@ def test_bad_arguments_are_refused_by_name() -> None:
 def test_cli_run_logs_novel_keys_and_writes_the_results_entry(name: str, tmp_path: Path) -> None:
     """pFedHN, and MH-pFedHN with a novel client of an architecture no training client has."""
     config = CONF / f"{name}.yaml"
-    result = cli(config, tmp_path)
+    result = cli(config, tmp_path, figures=True)
     entry = result["novel_clients"]
     assert entry["steps"] == 4 and entry["eval_steps"] == [0, 2, 4]
     assert [c["id"] for c in entry["clients"]] == [4, 5]
