@@ -3,10 +3,12 @@
 For every client of every round, three validation accuracies (mean over the client's own
 validation split), written to a JSON per round and client with its architecture:
 
-- ``generated_before``: the model generated for it at the start of the round (before it trains);
+- ``generated_before``: the model generated for it at the start of the round (before it trains;
+  with ``hn_update: sequential`` it trains from the model generated after the steps of the
+  clients before it in the round);
 - ``trained``: the model it has after this round's local training, with the batch-norm
   statistics re-estimated for it as evaluation does (``recalibrate_batch_norm``);
-- ``generated_after``: the model generated for it after the round's server step.
+- ``generated_after``: the model generated for it after the round's server step(s).
 
 ``trained`` - ``generated_before`` is what one visit of local training adds; ``generated_after`` -
 ``generated_before`` is how much of it the server step carries into the hypernetwork. A generated
@@ -74,6 +76,10 @@ class TrackedMHPFedHN(MHPFedHN):
         )
         kind = self.zoo.group_of_clients(clients)
         weights = {n: t.detach() for n, t in trained.items() if n not in arch.buffer_shapes}
+        if kind in self._trained:  # hn_update sequential: the kind's clients train one by one
+            members, earlier = self._trained[kind]
+            clients = torch.cat([members, clients])
+            weights = {n: torch.cat([earlier[n], t]) for n, t in weights.items()}
         self._trained[kind] = (clients.clone(), weights)
         return delta, trained, loss
 
@@ -82,8 +88,10 @@ class TrackedMHPFedHN(MHPFedHN):
             return super().personalized_params(clients)
         kind = self.zoo.group_of_clients(clients)
         members, params = self._trained[kind]
-        if not torch.equal(members, clients):
+        if sorted(members.tolist()) != sorted(clients.tolist()):
             raise RuntimeError("trained models are evaluated for the clients that trained them")
+        rows = torch.tensor([members.tolist().index(c) for c in clients.tolist()])
+        params = {n: t[rows.to(t.device)] for n, t in params.items()}
         arch = self.zoo.archs[kind]
         if arch.stateful:
             with torch.no_grad():
@@ -96,6 +104,7 @@ class TrackedMHPFedHN(MHPFedHN):
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         self._round_clients = clients
+        self._trained = {}
         self._before = self.accuracy(clients)
         return super().run_round(round_idx, clients)
 

@@ -13,7 +13,12 @@ import torch.nn.functional as F
 import yaml
 from torch.func import vmap
 
-from lightning_pfl.engine import Architecture, cross_entropy_loss, weighted_cross_entropy
+from lightning_pfl.engine import (
+    Architecture,
+    cross_entropy_loss,
+    derive_seed,
+    weighted_cross_entropy,
+)
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import distillation_loss
 from lightning_pfl.methods.mh_pfedhn import HOLDS, MHPFedHN, MHPFedHNG, MHPFedHNGD
@@ -239,14 +244,16 @@ def test_architectures_are_assigned_evenly_and_counts_are_all_the_server_gets() 
     method.run_round(0, torch.tensor([0, 2, 3, 5]))
     rows = [s[1] for s in seen if s[0] == "rows"]
     assert all(isinstance(r, list) and all(isinstance(i, int) for i in r) for r in rows)
-    ((_, generated, deltas, weights),) = [s for s in seen if s[0] == "update"]
-    for g, d in zip(generated, deltas, strict=True):
-        assert isinstance(g, torch.Tensor) and g.dim() == 2 and g.shape == d.shape
-        assert g.shape[1] in method.hnet.counts
+    updates = [s for s in seen if s[0] == "update"]
+    assert len(updates) == 4  # hn_update: sequential, one per client
+    for _, generated, deltas, _ in updates:
+        for g, d in zip(generated, deltas, strict=True):
+            assert isinstance(g, torch.Tensor) and g.dim() == 2 and g.shape == d.shape
+            assert g.shape[1] in method.hnet.counts
 
 
 def test_server_gradient_is_the_gradient_of_the_surrogate() -> None:
-    method = build_mh(hn_max_grad_norm=None)
+    method = build_mh(hn_max_grad_norm=None, hn_update="mean")
     before = copy.deepcopy(method.hnet)
     trained = capture_local_training(method)
     clients = torch.tensor([0, 1, 3, 4])
@@ -273,6 +280,83 @@ def test_server_gradient_is_the_gradient_of_the_surrogate() -> None:
     assert touched.nonzero()[:, 0].tolist() == sorted(slots)
 
 
+def drawn_order(seed: int, round_idx: int, count: int) -> list[int]:
+    """The order of a round's per-client server steps: a permutation seeded by (seed, round,
+    stream 14), positions among the round's clients."""
+    generator = torch.Generator().manual_seed(derive_seed(seed, round_idx, 14))
+    return torch.randperm(count, generator=generator).tolist()
+
+
+def steps_by_hand(
+    method: MHPFedHN,
+    before: MultiHeadHyperNetwork,
+    clients: torch.Tensor,
+    seen: list[tuple[Any, ...]],
+    order: list[int],
+    regenerate: bool,
+) -> MultiHeadHyperNetwork:
+    """The server loop written out: for each client in ``order``, g_i generated from phi as the
+    previous step left it (``regenerate``, the authors' code) or at the round's start, its
+    gradient (d g_i / d(phi, v))^T (g_i - g~_i) clipped to ``hn_max_grad_norm``, one Adam step.
+    Checks on the way that each client received that g_i. A client is generated in the batch
+    of clients it trained with (``seen``: ``spy_client_updates``), as rounding then agrees."""
+    received, trained, batch = {}, {}, {}
+    for members, flat, _, params in seen:
+        kind = method.zoo.names[int(method.zoo.group_of[int(members[0])])]
+        for r, client in enumerate(members.tolist()):
+            received[client] = flat[r : r + 1]
+            trained[client] = method.codecs[kind].to_flat(params)[r : r + 1].detach()
+            batch[client] = (members.tolist(), r)
+    start, ref = copy.deepcopy(before), copy.deepcopy(before)
+    adam = torch.optim.Adam(ref.parameters(), lr=method.hp.hn_lr)
+    for position in order:
+        client = int(clients[position])
+        source = ref if regenerate else start
+        members, r = batch[client]
+        g = source(members)[r : r + 1]
+        torch.testing.assert_close(received[client], g.detach(), rtol=0, atol=0)
+        delta = g.detach() - trained[client]
+        grads = torch.autograd.grad((g * delta).sum(), list(source.parameters()), allow_unused=True)
+        for p, grad in zip(ref.parameters(), grads, strict=True):
+            p.grad = grad
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), method.hp.hn_max_grad_norm)
+        adam.step()
+        adam.zero_grad()
+    return ref
+
+
+@pytest.mark.parametrize("update", ["sequential", "per_client"])
+def test_per_client_updates_step_once_per_client_in_the_drawn_order(update: str) -> None:
+    # a clip small enough to bind at every step: clipping is per step, not of a sum
+    option: dict[str, Any] = {} if update == "sequential" else {"hn_update": update}
+    method = build_mh(hn_lr=1e-2, hn_max_grad_norm=1e-2, **option)
+    assert method.hp.hn_update == update  # sequential, the authors' code, is the default
+    clients, round_idx = torch.tensor([0, 1, 2, 3, 5]), 3
+    order = drawn_order(method.hp.seed, round_idx, len(clients))
+    assert order != sorted(order) and order != drawn_order(method.hp.seed, 4, len(clients))
+    before = copy.deepcopy(method.hnet)
+    seen = spy_client_updates(method)
+    assert method.server_optimizer is not None
+    steps: list[int] = []
+    step = method.server_optimizer.step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(len(seen))
+        return step(*args, **kwargs)
+
+    setattr(method.server_optimizer, "step", counted)  # noqa: B010
+    method.run_round(round_idx, clients)
+    if update == "sequential":  # one client at a time, in the drawn order, a step after each
+        assert [s[0].tolist() for s in seen] == [[int(clients[p])] for p in order]
+        assert steps == [1, 2, 3, 4]
+    else:  # one vmapped group per architecture, then the steps
+        assert len(seen) == len(list(method.zoo.split(clients))) and steps == [3] * 4
+    method.server_optimizer.step()  # the last client's step, which the base class takes
+    expected = steps_by_hand(method, before, clients, seen, order, update == "sequential")
+    for (name, p), q in zip(method.hnet.named_parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_sparsified_upload_keeps_the_largest_entries_and_counts_fewer_bytes() -> None:
     method = build_mh(upload_fraction=0.3)
     delta = torch.tensor([[0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 0.05, 1.0, -0.01, 0.02]])
@@ -290,6 +374,7 @@ def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teache
     teacher: str,
 ) -> None:
     options: dict[str, Any] = {} if teacher == "received" else {"distill_teacher": teacher}
+    options["hn_update"] = "mean"  # one vmapped group per architecture
     method = build_mh(MHPFedHNGD, distill_temperature=2.0, distill_weight=0.5, **options)
     assert isinstance(method, MHPFedHNGD)
     received = method.global_codec.to_params(method.hnet([method.hp.num_clients]).detach())
@@ -369,10 +454,17 @@ def test_gd_personal_loss_mixes_cross_entropy_and_distillation(t_squared: bool) 
     torch.testing.assert_close(value, 0.75 * ce + 0.25 * (9 if t_squared else 1) * kl)
 
 
-@pytest.mark.parametrize("cls", [MHPFedHN, MHPFedHNGD])
-def test_vectorized_equals_sequential(cls: type[MHPFedHN]) -> None:
+@pytest.mark.parametrize(
+    ("cls", "update"),
+    [(MHPFedHN, "sequential"), (MHPFedHNGD, "sequential"), (MHPFedHN, "per_client")],
+)
+def test_vectorized_equals_sequential(cls: type[MHPFedHN], update: str) -> None:
     assert_vectorized_equals_sequential(
-        cls, rounds=2, num_clients=6, architectures=TINY, **{**SMALL, "hn_lr": 1e-2}
+        cls,
+        rounds=2,
+        num_clients=6,
+        architectures=TINY,
+        **{**SMALL, "hn_lr": 1e-2, "hn_update": update},
     )
 
 
@@ -434,7 +526,9 @@ def spy_client_updates(method: MHPFedHN) -> list[tuple[Any, ...]]:
 
 
 def test_frozen_clients_keep_their_last_layers_at_the_generated_values() -> None:
+    # hn_update mean: the clients of an architecture train in one vmapped group
     options: dict[str, Any] = {"hn_max_grad_norm": None, "local_weight_decay": 0.01}
+    options["hn_update"] = "mean"
     plain = build_mh(**options)
     cnn = plain.zoo.members("cnn").tolist()
     method = build_mh(frozen_clients=[cnn[0]], frozen_layers=2, **options)
@@ -519,9 +613,14 @@ def test_frozen_and_global_client_options_are_seeded_and_validated() -> None:
             build_mh(MHPFedHNG, **options)
 
 
-def test_only_holders_train_the_global_model_and_set_its_gradient() -> None:
+@pytest.mark.parametrize("update", ["mean", "sequential"])
+def test_only_holders_train_the_global_model_and_set_its_gradient(update: str) -> None:
     method = build_mh(
-        MHPFedHNGD, global_clients=[0, 2], hn_max_grad_norm=None, distill_teacher="trained"
+        MHPFedHNGD,
+        global_clients=[0, 2],
+        hn_max_grad_norm=None,
+        distill_teacher="trained",
+        hn_update=update,
     )
     before = copy.deepcopy(method.hnet)
     calls: list[tuple[Any, ...]] = []
@@ -545,7 +644,8 @@ def test_only_holders_train_the_global_model_and_set_its_gradient() -> None:
     clients = torch.tensor([0, 1, 2, 3])
     method.run_round(0, clients)
     holders, _, global_result = calls[0]
-    assert holders.tolist() == [0, 2] and len(grads) == 1  # the personal step: training_step
+    # the global step, then (sequential) every personal step but the last (training_step's)
+    assert holders.tolist() == [0, 2] and len(grads) == (1 if update == "mean" else len(clients))
     # the global step: autograd of the holders' sample-weighted surrogate, nothing of the others
     flat = before([method.hp.num_clients])
     deltas = flat.detach() - method.global_codec.to_flat(global_result.params)
@@ -595,7 +695,7 @@ def test_clients_without_the_global_model_use_plain_cross_entropy() -> None:
 
 
 def test_a_round_without_holders_takes_no_global_step() -> None:
-    method = build_mh(MHPFedHNG, global_clients=[0])
+    method = build_mh(MHPFedHNG, global_clients=[0], hn_update="mean")
     row = method.hp.num_clients  # the global model's row
     start, tau = method.hnet.slot_start[row], method.hnet.tau[row]
     v_g = method.hnet.embeddings[start : start + tau].detach().clone()

@@ -56,17 +56,31 @@ GENERATED = "generated."  # + tensor name: the generated value of a fixed tensor
 HOLDS = "holds_global"  # [C] bool: the client holds the global model (distils from it)
 CONSTRAINED_STREAM, GLOBAL_STREAM = 11, 12  # seeded draws of the constrained clients, holders
 RECALIBRATION_STREAM = 13  # the batches evaluation re-estimates batch-norm statistics on
+ORDER_STREAM = 14  # the order of the server's per-client steps in a round
 
 
 class MHPFedHN(FederatedMethod):
     """MH-pFedHN: a multi-head hypernetwork generates every client's (heterogeneous) model.
 
-    Round: for each architecture among the round's clients (one vmapped group each), the
-    server generates the clients' flat vectors g_i = h(v_i; phi) (``[C, K_i]``); each client
-    maps g_i onto its model, trains it locally and uploads delta_i = g_i - g~_i (in the flat
-    coordinates, top-``upload_fraction`` entries by magnitude only); the server sets
-    grad(phi, v) = (1/C) sum_i (d g_i / d(phi, v))^T delta_i, the gradient of the surrogate
-    (1/C) sum_i <g_i(phi, v), delta_i>, clips it to ``hn_max_grad_norm`` and takes an Adam step.
+    Round: the server generates a client's flat vector g_i = h(v_i; phi); the client maps g_i
+    onto its model, trains it locally and uploads delta_i = g_i - g~_i (in the flat
+    coordinates, top-``upload_fraction`` entries by magnitude only); the server's gradient from
+    delta_i is (d g_i / d(phi, v))^T delta_i, the gradient of the surrogate
+    <g_i(phi, v), delta_i>, clipped to ``hn_max_grad_norm`` before each Adam step. By
+    ``hn_update``:
+
+    - ``sequential`` (the authors' code; default): the round's clients take turns in a seeded
+      random order; each one's model is generated from phi as the previous client's step left
+      it, trained, and its delta gives one Adam step: C steps per round, clients one at a time.
+    - ``per_client``: every client's model is generated from the round's phi and trained
+      (one vmapped group per architecture); the server then takes one step per client, in the
+      seeded random order, with that client's gradient at the round's phi (pFedHN's
+      ``per_client``, there in client order).
+    - ``mean``: as ``per_client``, then one step with grad(phi, v) = (1/C) sum_i
+      (d g_i / d(phi, v))^T delta_i (ours before issue 43).
+
+    The order is a permutation drawn from (seed, round) alone, so resumed runs and DDP ranks
+    step alike.
 
     Every behaviour that differs from the paper is an option whose default is the paper's (see
     the "Deviations from the paper" table of docs/methods.md).
@@ -121,7 +135,13 @@ class MHPFedHN(FederatedMethod):
             FashionMNIST setting the stale statistics cost the generated ResNet-10 ~30 points).
         hn_lr: Adam learning rate of phi and the embeddings (paper: 2e-4).
         hn_weight_decay: Adam weight decay.
-        hn_max_grad_norm: clip of the server gradient norm (paper: 50; None: off).
+        hn_max_grad_norm: clip of the server gradient norm (paper: 50; None: off), of each
+            step's gradient.
+        hn_update: the server update per round (see above): ``sequential`` (the authors' code,
+            ``MH-pFedHN.py`` and ``MH-pFedHNGD.py``: ``for client_id in random.sample(...)``:
+            generate, train, one clipped Adam step; the paper's text was not available to us),
+            ``per_client`` or ``mean``. MH-pFedHNG's global-model step is unaffected: one step
+            on the holders' weighted mean, as in the authors' code.
         local_lr, local_momentum, local_weight_decay, local_epochs, batch_size: client SGD
             (paper: 1e-3, 0.9, 1e-4, 2 epochs, 64).
         net: the default architecture (and the base class's target; default ``zoo_cnn``).
@@ -146,6 +166,7 @@ class MHPFedHN(FederatedMethod):
         hn_lr: PositiveFloat = 2e-4,
         hn_weight_decay: NonNegativeFloat = 0.0,
         hn_max_grad_norm: PositiveFloat | None = 50.0,
+        hn_update: Literal["sequential", "per_client", "mean"] = "sequential",
         net: str = "zoo_cnn",
         local_lr: PositiveFloat = 1e-3,
         local_momentum: Momentum = 0.9,
@@ -376,31 +397,25 @@ class MHPFedHN(FederatedMethod):
     def personal_round(
         self, round_idx: int, clients: Tensor, teachers: Params | None = None
     ) -> tuple[Tensor, Params, Params]:
-        """Generate, train per architecture group, upload deltas, set the server gradient.
+        """Generate, train, upload deltas and update the hypernetwork by ``hn_update``.
 
         ``teachers`` are per-client context tensors handed to the personal loss (MH-pFedHNGD;
-        None: plain cross-entropy). Returns the losses and what was sent down and up.
+        None: plain cross-entropy). Returns the losses and what was sent down and up. The server
+        steps it takes itself are all but the last; the base class takes the last one.
         """
         batches = self.draw_batches(clients, round_idx)
         ids = clients.cpu()
-        generated: list[Tensor] = []
-        deltas: list[Tensor] = []
-        down: Params = {}
-        up: Params = {}
+        sent: list[tuple[str, list[int], Tensor, Tensor]] = []  # kind, rows, generated, delta
 
         def train(group: GroupShare) -> Tensor:
-            kind, rows, members, on_cpu = (
-                group.name,
-                group.rows,
-                group.members,
-                ids[group.rows.cpu()],
-            )
+            kind, rows, positions = group.name, group.rows, group.rows.cpu()
+            on_cpu = ids[positions]
             flat = self.hnet(on_cpu.tolist())  # server: the members' flat vectors
             mask = self.constrained[on_cpu].to(self.device) if self.any_constrained else None
             delta, _, loss = self.client_update(
                 self.codecs[kind],
                 group.arch,
-                members,
+                group.members,
                 flat.detach(),
                 round_idx,
                 batches.select(rows),
@@ -410,17 +425,69 @@ class MHPFedHN(FederatedMethod):
                 None if mask is None else (mask, self.fixed_names[kind]),
                 self.local_field(kind, on_cpu),
             )
-            generated.append(flat)
-            deltas.append(delta)
-            down[kind] = flat
-            up.update({f"{kind}.{n}": t for n, t in self.uploaded(delta).items()})
+            sent.append((kind, positions.tolist(), flat, delta))
             return loss
 
-        losses = self.zoo.train_groups(clients, train)
-        # generated[j] holds the rows of group j; weights follow that order (uniform: 1/C)
-        weights = torch.full((len(clients),), 1.0 / len(clients), device=self.device)
-        self.server_gradients(generated, deltas, weights)
+        if self.hp.hn_update == "sequential":
+            losses = torch.zeros(len(clients), device=clients.device)
+            for position in self.update_order(round_idx, len(clients)):
+                if sent:  # the previous client's step, before this client's model is generated
+                    self.step_server()
+                row = torch.tensor([position], device=clients.device)
+                kind = self.zoo.names[int(self.zoo.group_of[ids[position]])]
+                losses[row] = train(GroupShare(kind, row, clients[row], self.zoo.archs[kind]))
+                self.server_gradients([sent[-1][2]], [sent[-1][3]], losses.new_ones(1))
+        else:
+            losses = self.zoo.train_groups(clients, train)
+            if self.hp.hn_update == "mean":  # rows in group order; uniform weights 1/C
+                weights = torch.full((len(clients),), 1.0 / len(clients), device=self.device)
+                self.server_gradients([g for *_, g, _ in sent], [d for *_, d in sent], weights)
+            else:
+                self.per_client_steps(sent, round_idx)
+        kinds = list(dict.fromkeys(kind for kind, *_ in sent))
+        down = {k: torch.cat([g.detach() for j, _, g, _ in sent if j == k]) for k in kinds}
+        up: Params = {}
+        for k in kinds:
+            delta = torch.cat([d for j, *_, d in sent if j == k])
+            up |= {f"{k}.{n}": t for n, t in self.uploaded(delta).items()}
         return losses, down, up
+
+    def update_order(self, round_idx: int, count: int) -> list[int]:
+        """The order (positions among the round's ``count`` clients) of the server's per-client
+        steps: a seeded permutation, a function of (seed, round) alone, so that a resumed run
+        and every DDP rank step alike."""
+        generator = torch.Generator().manual_seed(
+            derive_seed(self.hp.seed, round_idx, ORDER_STREAM)
+        )
+        return torch.randperm(count, generator=generator).tolist()
+
+    def per_client_steps(
+        self, sent: list[tuple[str, list[int], Tensor, Tensor]], round_idx: int
+    ) -> None:
+        """``hn_update: per_client``: one step per client in the seeded :meth:`update_order`,
+        each with that client's (d g_i / d(phi, v))^T delta_i, clipped, all at the round's
+        starting phi (the clients trained from it). ``sent``: (kind, positions among the
+        round's clients, generated ``[C_j, K_j]`` with its graph, deltas) per group. The base
+        class takes the last step."""
+        params = list(self.hnet.parameters())
+        one = torch.ones(1, device=self.device)
+        grads: dict[int, list[Tensor | None]] = {}
+        for _, positions, generated, delta in sent:
+            for r, position in enumerate(positions):
+                g, d = generated[r : r + 1], delta[r : r + 1]
+                set_delta_gradients(params, [g], [d], [one], self.hp.hn_max_grad_norm, True)
+                grads[position] = [p.grad for p in params]
+        for k, position in enumerate(self.update_order(round_idx, len(grads))):
+            if k:
+                self.step_server()
+            for p, grad in zip(params, grads[position], strict=True):
+                p.grad = grad
+
+    def step_server(self) -> None:
+        """One step of the server optimizer with the gradients set, then clear them."""
+        assert self.server_optimizer is not None, "configure_optimizers() sets it"
+        self.server_optimizer.step()
+        self.server_optimizer.zero_grad()
 
     def local_field(self, kind: str, clients: Tensor) -> tuple[str, Tensor] | None:
         """(store field, rows) of the layers ``clients`` of ``kind`` keep (None: none kept)."""
@@ -528,8 +595,8 @@ class MHPFedHNG(MHPFedHN):
     the server sets the gradient of phi and v_g from the sample-weighted mean of these holders'
     global deltas, sum_i p_i delta_g,i with p_i = n_i / sum_holders n_j, clips it and takes an
     Adam step (a round without a holder takes none); then the personal round of
-    :class:`MHPFedHN` runs from the updated phi (a second Adam step). Batch-norm statistics of
-    a client's copy of the global model stay with the client.
+    :class:`MHPFedHN` runs from the updated phi (its steps by ``hn_update``). Batch-norm
+    statistics of a client's copy of the global model stay with the client.
 
     Args:
         global_net: the global model's architecture: a group of ``architectures``, or a
@@ -627,9 +694,7 @@ class MHPFedHNG(MHPFedHN):
             weights = self.client_weights(holders)[:, None].to(delta)
             mean = (weights * delta).sum(0, keepdim=True)
             self.server_gradients([flat], [mean], torch.ones(1, device=self.device))
-            assert self.server_optimizer is not None, "configure_optimizers() sets it"
-            self.server_optimizer.step()
-            self.server_optimizer.zero_grad()
+            self.step_server()
             if self.distills():  # non-holders get zeros in place of a teacher, never read
                 teacher = trained if h.get("distill_teacher") == "trained" else received
                 teachers = {
