@@ -57,6 +57,11 @@ def test_min_norm_weights_by_hand() -> None:
     # ... with |l_i - 1/2| <= 0.1: the bound is active
     torch.testing.assert_close(min_norm_weights(g, 0.1, 200), torch.tensor([0.4, 0.6], dtype=F64))
     torch.testing.assert_close(min_norm_weights(g, 0.0, 200), torch.tensor([0.5, 0.5], dtype=F64))
+    # the box centred at lambda0 = (0.8, 0.2): l_1 in [0.7, 0.9], so l = (0.7, 0.3)
+    center = torch.tensor([0.8, 0.2], dtype=F64)
+    torch.testing.assert_close(
+        min_norm_weights(g, 0.1, 200, center), torch.tensor([0.7, 0.3], dtype=F64)
+    )
     # e1, e2 and (e1 + e2)/sqrt(2): the hull's min-norm point is (e1 + e2)/2, so l_3 = 0; with
     # |l_i - 1/3| <= 0.1, l_3 sits at its lower bound 1/3 - 0.1 and e1, e2 share the rest
     s = 1 / math.sqrt(2)
@@ -99,11 +104,18 @@ def whole_updates(
     ]
 
 
+def pseudo_gradient(method: FedMGDAPlus, names: list[str]) -> torch.Tensor:
+    """The server's ``.grad`` over all parameters, as one float64 vector."""
+    grads = [method.net.get_parameter(n).grad for n in names]
+    return torch.cat([g.double().flatten() for g in grads if g is not None])
+
+
 def test_fedmgda_plus_steps_along_the_mean_of_the_normalized_updates_of_two_clients() -> None:
     """The min-norm point of two unit vectors is their midpoint (epsilon = 1: unconstrained):
     the pseudo-gradient is (g_1/||g_1|| + g_2/||g_2||)/2, with norms over the whole model."""
     dm = digits_data(6)
     method = build(FedMGDAPlus, dm, epsilon=1.0, clients_per_round=2)
+    assert isinstance(method, FedMGDAPlus)
     trained = capture_local_training(method)
     before = method.global_state()
     method.run_round(0, torch.tensor([1, 4]))
@@ -111,28 +123,40 @@ def test_fedmgda_plus_steps_along_the_mean_of_the_normalized_updates_of_two_clie
     g1, g2 = whole_updates(before, trained[0].params, names)
     assert abs(float(g1.norm() / g2.norm()) - 1) > 0.05  # normalizing changes the direction
     expected = (g1 / g1.norm() + g2 / g2.norm()) / 2
-    got = torch.cat([method.net.get_parameter(n).grad.double().flatten() for n in names])
+    got = pseudo_gradient(method, names)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-9)
 
 
 def test_fedmgda_plus_without_normalizing_takes_the_min_norm_point_of_the_raw_updates() -> None:
     """min_l ||l g_1 + (1 - l) g_2||^2 is at l = g_2.(g_2 - g_1) / ||g_1 - g_2||^2 (in [0, 1]);
-    with epsilon the weights are clipped to [1/2 - epsilon, 1/2 + epsilon]."""
-    for epsilon in (1.0, 0.05):
+    with epsilon the weights are clipped to [lambda0_1 - epsilon, lambda0_1 + epsilon], lambda0
+    uniform or the clients' sample shares."""
+    for epsilon, lambda0 in ((1.0, "uniform"), (0.05, "uniform"), (0.01, "samples")):
         dm = digits_data(6)
         method = build(
-            FedMGDAPlus, dm, epsilon=epsilon, normalize=False, clients_per_round=2, seed=3
+            FedMGDAPlus,
+            dm,
+            epsilon=epsilon,
+            lambda0=lambda0,
+            normalize=False,
+            clients_per_round=2,
+            seed=3,
         )
+        assert isinstance(method, FedMGDAPlus)
         trained = capture_local_training(method)
         before = method.global_state()
-        method.run_round(0, torch.tensor([0, 5]))
+        clients = torch.tensor([0, 5])
+        method.run_round(0, clients)
         names = [n for n, _ in method.net.named_parameters()]
         g1, g2 = whole_updates(before, trained[0].params, names)
         free = float(g2 @ (g2 - g1) / (g1 - g2).pow(2).sum())
-        low, high = max(0.0, 0.5 - epsilon), min(1.0, 0.5 + epsilon)
+        n = dm.num_samples("train")[clients].double()
+        center = 0.5 if lambda0 == "uniform" else float(n[0] / n.sum())
+        low, high = max(0.0, center - epsilon), min(1.0, center + epsilon)
         lam = min(max(free, low), high)
-        assert abs(free - 0.5) > 0.06  # not the uniform mean, and the clip binds at 0.05
-        got = torch.cat([method.net.get_parameter(n).grad.double().flatten() for n in names])
+        assert abs(free - center) > 1.2 * epsilon or epsilon == 1.0  # the bound binds
+        assert abs(center - 0.5) > 0.02 or lambda0 == "uniform"  # the centres differ
+        got = pseudo_gradient(method, names)
         torch.testing.assert_close(got, lam * g1 + (1 - lam) * g2, rtol=1e-5, atol=1e-9)
 
 
@@ -153,6 +177,12 @@ def set_prediction(method: FedAvgPoC, bias: list[float]) -> None:
         method.net.get_parameter("fc2.bias").copy_(torch.tensor(bias))
 
 
+def queried_by(method: FedAvgPoC) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last round's candidates and their losses."""
+    assert method.queried is not None
+    return method.queried
+
+
 def test_power_of_choice_picks_the_candidates_with_the_highest_loss() -> None:
     """With d = every client, the m picked are the m clients whose mean training CE under the
     global model is highest, computed here from their class counts."""
@@ -167,7 +197,7 @@ def test_power_of_choice_picks_the_candidates_with_the_highest_loss() -> None:
     expected = loss.topk(2).indices.sort().values
     assert float(loss.sort(descending=True).values[1] - loss.sort(descending=True).values[2]) > 0.01
     assert torch.equal(method.sample_clients(0), expected)
-    candidates, queried = method.queried or (None, None)
+    candidates, queried = queried_by(method)
     assert torch.equal(candidates, torch.arange(6))
     torch.testing.assert_close(queried.double(), loss, rtol=1e-5, atol=1e-6)
     # a model favouring the other classes picks other clients
@@ -183,13 +213,13 @@ def test_power_of_choice_picks_among_a_seeded_candidate_draw() -> None:
     draws = []
     for round_idx in range(6):
         picked = method.sample_clients(round_idx)
-        candidates, loss = method.queried or (None, None)
+        candidates, loss = queried_by(method)
         assert len(candidates) == 4 and len(set(candidates.tolist())) == 4
         assert torch.equal(picked, candidates[loss.topk(2).indices].sort().values)
         draws.append(candidates)
     assert any(not torch.equal(draws[0], d) for d in draws[1:])  # a new draw each round
     method.sample_clients(2)
-    assert torch.equal(method.queried[0], draws[2])  # the same draw when asked again
+    assert torch.equal(queried_by(method)[0], draws[2])  # the same draw when asked again
 
 
 def test_power_of_choice_draws_candidates_by_their_share_of_the_samples() -> None:
@@ -230,6 +260,7 @@ def test_power_of_choice_averages_uniformly_and_counts_the_loss_queries() -> Non
 def test_power_of_choice_trains_through_the_trainer_with_the_counted_bytes() -> None:
     dm = digits_data(6)
     method = build(FedAvgPoC, dm, candidates=4, clients_per_round=2)
+    assert isinstance(method, FedAvgPoC)
     fit(method, dm, rounds=2)
     model = payload_bytes(method.global_state())
     assert method.comm_bytes_total.tolist() == [2 * 4 * model, 2 * (2 * model + 4 * 4)]

@@ -3,7 +3,7 @@ optimization; the server steps along the min-norm convex combination of the clie
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -38,16 +38,20 @@ def project_onto_capped_simplex(v: Tensor, lower: Tensor, upper: Tensor) -> Tens
     return (v - tau).clamp(lower, upper)
 
 
-def min_norm_weights(gram: Tensor, epsilon: float, steps: int) -> Tensor:
-    """``argmin_lambda lambda^T G lambda`` over the simplex with ``|lambda_i - 1/m| <= epsilon``
-    (``G = gram`` ``[m, m]``, the inner products of the m update vectors): ``steps`` iterations
-    of accelerated projected gradient descent (FISTA, step ``1 / (2 lambda_max(G))``) from the
-    uniform weights, each projected by :func:`project_onto_capped_simplex`."""
+def min_norm_weights(
+    gram: Tensor, epsilon: float, steps: int, center: Tensor | None = None
+) -> Tensor:
+    """``argmin_lambda lambda^T G lambda`` over the simplex with
+    ``|lambda_i - lambda0_i| <= epsilon`` (``G = gram`` ``[m, m]``, the inner products of the m
+    update vectors; lambda0 = ``center``, default uniform): ``steps`` iterations of accelerated
+    projected gradient descent (FISTA, step ``1 / (2 lambda_max(G))``) from lambda0, each
+    projected by :func:`project_onto_capped_simplex`."""
     m = gram.shape[0]
-    uniform = torch.full((m,), 1.0 / m, dtype=gram.dtype, device=gram.device)
-    lower, upper = (uniform - epsilon).clamp_min(0), (uniform + epsilon).clamp_max(1)
+    if center is None:
+        center = torch.full((m,), 1.0 / m, dtype=gram.dtype, device=gram.device)
+    lower, upper = (center - epsilon).clamp_min(0), (center + epsilon).clamp_max(1)
     step = 1.0 / (2 * torch.linalg.eigvalsh(gram)[-1]).clamp_min(NORM_FLOOR)
-    weights, point, t = uniform, uniform, 1.0
+    weights, point, t = center, center, 1.0
     for _ in range(steps):
         new = project_onto_capped_simplex(point - step * 2 * (gram @ point), lower, upper)
         t_next = (1 + (1 + 4 * t * t) ** 0.5) / 2
@@ -64,15 +68,17 @@ class FedMGDAPlus(FedAvg):
     Round (Algorithm 1): the server sends w; client i runs local SGD from w to w_i and uploads
     it; the server forms ``g_i = w - w_i``, normalizes it (``g_i / ||g_i||``, ``normalize``),
     solves ``lambda* = argmin ||sum_i lambda_i g_i||^2`` over the simplex with
-    ``||lambda - 1/m||_inf <= epsilon`` (:func:`min_norm_weights`: ``solver_steps`` FISTA
+    ``||lambda - lambda0||_inf <= epsilon`` (:func:`min_norm_weights`: ``solver_steps`` FISTA
     iterations on the m x m Gram matrix) and steps ``w <- w - eta sum_i lambda*_i g_i`` (the
     pseudo-gradient ``sum_i lambda*_i g_i`` with SGD of lr eta). epsilon = 0 is FedAvg with
-    normalized updates and uniform weights; epsilon = 1 is MGDA. Batch-norm buffers: FedAvg's
+    normalized updates and weights lambda0; epsilon = 1 is MGDA. Batch-norm buffers: FedAvg's
     sample-weighted mean. Every client's personalized model is the global model.
 
     Args:
-        epsilon: epsilon, the largest distance of each lambda_i from the uniform 1/m (paper:
-            tuned on a grid; 0.1 here, FLGo's default).
+        epsilon: epsilon, the largest distance of each lambda_i from lambda0_i (paper: tuned on
+            a grid; 0.1 here, FLGo's default).
+        lambda0: the centre of the epsilon box: ``uniform`` (1/m) or ``samples`` (the clients'
+            shares n_i / sum_S n_j of the training samples, FedAvg's weights; FLGo's choice).
         normalize: normalize each g_i to unit norm before the min-norm problem (the paper's
             FedMGDA+; False: the raw updates).
         server_lr: eta, the global learning rate (1, FLGo's default).
@@ -88,6 +94,7 @@ class FedMGDAPlus(FedAvg):
     def __init__(
         self,
         epsilon: UnitInterval = 0.1,
+        lambda0: Literal["uniform", "samples"] = "uniform",
         normalize: bool = True,
         server_lr: PositiveFloat = 1.0,
         solver_steps: PositiveInt = 200,
@@ -111,7 +118,8 @@ class FedMGDAPlus(FedAvg):
         sent = self.payload(clients)
         result = self.local_train({n: t.clone() for n, t in sent.items()}, clients, round_idx)
         uploaded = {n: result.params[n] for n in sent}
-        self.aggregate(uploaded, self.client_weights(clients))  # buffers: the weighted mean
+        shares = self.client_weights(clients)
+        self.aggregate(uploaded, shares)  # buffers: the weighted mean
         params = dict(self.net.named_parameters())
         updates = {n: (sent[n] - uploaded[n]).double() for n in params}  # g_i = w - w_i
         gram = sum(g.flatten(1) @ g.flatten(1).T for g in updates.values())
@@ -119,8 +127,9 @@ class FedMGDAPlus(FedAvg):
         scale = torch.ones_like(gram[0])
         if h.normalize:
             scale = 1 / gram.diagonal().sqrt().clamp_min(NORM_FLOOR)
+        center = shares.double() if h.lambda0 == "samples" else None
         weights = min_norm_weights(
-            scale[:, None] * gram * scale[None, :], h.epsilon, h.solver_steps
+            scale[:, None] * gram * scale[None, :], h.epsilon, h.solver_steps, center
         )
         for name, p in params.items():
             p.grad = client_mean(updates[name], weights * scale).to(p.dtype)
