@@ -75,13 +75,14 @@ class FedMGDAPlus(FedAvg):
     sample-weighted mean. Every client's personalized model is the global model.
 
     Args:
-        epsilon: epsilon, the largest distance of each lambda_i from lambda0_i (paper: tuned on
-            a grid; 0.1 here, FLGo's default).
+        epsilon: epsilon, the largest distance of each lambda_i from lambda0_i (the paper's
+            experiments vary it; 0.1 here, FLGo's default).
         lambda0: the centre of the epsilon box: ``uniform`` (1/m) or ``samples`` (the clients'
             shares n_i / sum_S n_j of the training samples, FedAvg's weights; FLGo's choice).
         normalize: normalize each g_i to unit norm before the min-norm problem (the paper's
             FedMGDA+; False: the raw updates).
-        server_lr: eta, the global learning rate (1, FLGo's default).
+        server_lr: eta, the global learning rate (the paper's experiments vary it; 1 here,
+            FLGo's default).
         solver_steps: FISTA iterations of the min-norm problem (implementation, not in the
             paper, which calls a QP solver).
         local_lr: the client SGD learning rate.
