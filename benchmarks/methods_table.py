@@ -69,6 +69,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "fedyogi": ("Reddi et al., ICLR 2021 (FedOpt)", "nothing"),
     "fedgh": ("Yi et al., ACM MM 2023", "the whole model (header tuned from the global one)"),
     "fedlc": ("Zhang et al., ICML 2022", "nothing"),
+    "fedmgda_plus": ("Hu et al., IEEE TNSE 2022", "nothing"),
     "fedpac": ("Xu, Tong & Huang, ICLR 2023", "the classifier head (server-combined)"),
     "fednova": ("Wang et al., NeurIPS 2020", "nothing"),
     "fedper": ("Arivazhagan et al., 2019", "the classifier head"),
@@ -106,6 +107,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "pfedla": ("Ma et al., CVPR 2022", "layer-wise mixing weights over clients (server HN)"),
     "pfedlhn": ("Zhu et al., Neural Process. Lett. 2023", "the embedding; the model is generated"),
     "pfedme": ("Dinh, Tran & Nguyen, NeurIPS 2020", "theta_i, the Moreau-envelope solution"),
+    "power_of_choice": ("Cho, Wang & Joshi, AISTATS 2022", "nothing (highest-loss clients train)"),
     "qffl": ("Li, Sanjabi, Beirami & Smith, ICLR 2020", "nothing"),
     "scaffold": ("Karimireddy et al., ICML 2020", "nothing (control variate c_i kept)"),
 }

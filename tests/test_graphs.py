@@ -34,7 +34,9 @@ from lightning_pfl.methods.fedas import FedAS
 from lightning_pfl.methods.fedbabu import FedBABU
 from lightning_pfl.methods.fedcp import FedCP
 from lightning_pfl.methods.fedlc import FedLC
+from lightning_pfl.methods.fedmgda_plus import FedMGDAPlus
 from lightning_pfl.methods.gpfl import GPFL
+from lightning_pfl.methods.power_of_choice import FedAvgPoC
 from tests.conftest import build, digits_data, fit
 
 
@@ -129,6 +131,8 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (FedALA, {"ala_max_epochs": 2, "batch_size": 64}),
     (FedAMP, {}),
     (APPLE, {}),
+    (FedMGDAPlus, {}),
+    (FedAvgPoC, {"candidates": 4}),
 ]
 
 
