@@ -72,6 +72,10 @@ LINKED_FROM_DATA = {
 }
 
 
+# (parser, subcommand parsers, subcommand method arguments) per parser configuration
+_PARSERS: dict[str, tuple[LightningArgumentParser, dict[str, Any], dict[str, list[str]]]] = {}
+
+
 class PFLCLI(LightningCLI):
     """LightningCLI with data -> model links, checked resumes, safe run folders and results."""
 
@@ -92,6 +96,40 @@ class PFLCLI(LightningCLI):
             "validate": {"model", "dataloaders", "datamodule"},
             "test": {"model", "dataloaders", "datamodule"},
         }
+
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        # Building the parser (every Trainer, method and data argument, for each subcommand)
+        # takes about a second; a process that runs several CLIs (a job's runs, the benchmarks'
+        # and tests' in-process runs) builds it once. Only the logger default differs per run.
+        static = {
+            k: v for k, v in self.trainer_defaults.items() if k not in ("logger", "callbacks")
+        }
+        key = repr(
+            (
+                self._model_class,
+                self._datamodule_class,
+                self.subclass_mode_model,
+                self.subclass_mode_data,
+                add_subcommands,
+                main_kwargs,
+                subparser_kwargs,
+                static,
+                self.seed_everything_default,
+            )
+        )
+        if key not in _PARSERS:
+            super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+            _PARSERS[key] = (
+                self.parser,
+                getattr(self, "_subcommand_parsers", {}),
+                getattr(self, "_subcommand_method_arguments", {}),
+            )
+        self.parser, self._subcommand_parsers, self._subcommand_method_arguments = _PARSERS[key]
+        logger = {"trainer.logger": self.trainer_defaults.get("logger")}
+        for parser in self._subcommand_parsers.values() or [self.parser]:
+            parser.set_defaults(logger)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         self.parser_class = PFLArgumentParser
