@@ -47,8 +47,9 @@ class PFedKT(FedAvg):
     mu * l_con + (1 - mu) * CE with l_con = max(d+ - d- + alpha, 0), d+ = d(global logits, PM
     logits), d- = d(last trained PM's logits, PM logits) on the same batch; keeps the trained
     PM theta~_i (its personalized model and next visit's negative); updates phi_i by one SGD
-    step (``hn_lr``) along (grad_phi HN_i)^T (theta_i - theta~_i); uploads theta~_i; the server
-    takes the sample-weighted FedAvg.
+    step (``hn_lr``) along (grad_phi HN_i)^T (theta_i - theta~_i), by default divided by the
+    number of chunks (``hn_reduction``); uploads theta~_i; the server takes the sample-weighted
+    FedAvg.
 
     Args:
         mu: weight of the contrastive loss (paper: 0.001).
