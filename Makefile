@@ -18,7 +18,7 @@ demo: setup
 	$(BIN)/lightning-pfl fit --config configs/quickstart.yaml
 
 test: setup
-	$(BIN)/pytest -n auto --dist loadfile tests
+	$(BIN)/pytest -n auto --dist worksteal tests
 
 lint: setup
 	$(BIN)/ruff check lightning_pfl tests benchmarks cli.py
