@@ -29,6 +29,7 @@ from lightning_pfl.engine import Architecture, Params
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.models import build_network
 from lightning_pfl.partition import largest_remainder
+from lightning_pfl.streams import ARCHITECTURE_STREAM
 
 GROUP_KEYS = {"net", "net_args", "share", "clients"}
 SEP = "/"  # a group's personalized tensors are keyed "<group>/<tensor>" (see NetworkGroups.tagged)
@@ -162,6 +163,6 @@ def _assign(
     shares = np.array([float(spec.get("share", 1.0)) for spec in specs.values()])
     if (shares < 0).any() or shares.sum() <= 0:
         raise ConfigError(f"{section}: shares must be >= 0 with a positive sum, got {shares}.")
-    rng = np.random.default_rng([seed, 0, 7])
+    rng = np.random.default_rng([seed, 0, ARCHITECTURE_STREAM])
     counts = largest_remainder(num_clients, shares / shares.sum(), rng)
     return torch.from_numpy(rng.permutation(np.repeat(np.arange(len(shares)), counts)))

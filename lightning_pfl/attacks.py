@@ -24,6 +24,7 @@ from torchmetrics.functional.image import (
 
 from lightning_pfl.engine import Params, derive_seed
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.streams import ATTACK_STREAM
 from lightning_pfl.validation import (
     NonNegativeInt,
     PositiveFloat,
@@ -31,8 +32,6 @@ from lightning_pfl.validation import (
     Seed,
     check_arguments,
 )
-
-ATTACK_STREAM = 1002  # derive_seed stream of the victim's batch and the dummy's start
 
 
 class GradientInversion(Callback):

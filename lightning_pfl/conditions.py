@@ -23,11 +23,9 @@ from torch import Tensor
 
 from lightning_pfl.engine import ClientBatches, derive_seed
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.streams import CONDITIONS_STREAM
 from lightning_pfl.validation import Range, UnitInterval, _ranges_in, argument_ranges
 
-# RNG stream of the conditions' draws; base.py's streams (init, clients, batches, server init,
-# dropout) are 0-4.
-CONDITIONS_STREAM = 5
 KEY = "model.init_args.conditions"
 Fraction = Annotated[float, Range(gt=0, le=1)]
 Probability = Annotated[float, Range(gt=0, le=1)]

@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 
 KEY = "model.init_args.client_dp"
 EPSILON_KEY = "privacy/epsilon"  # logged every round (TensorBoard) at step = rounds completed
-# derive_seed stream of the noise (base.py's streams are 0-4; far from them, so that streams
-# added there later do not collide with it).
-NOISE_STREAM = 1001
 F = TypeVar("F", bound=Callable[..., Any])
 
 # What the methods without a DP round upload, for the refusal (docs/privacy.md has the table).

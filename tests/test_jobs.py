@@ -24,9 +24,9 @@ from lightning_pfl.errors import ConfigError
 from lightning_pfl.jobs import Runs, expand
 from lightning_pfl.lockstep import Lockstep, LockstepExecutor, Opaque, get_rng, signature
 from lightning_pfl.methods import FederatedMethod
-from lightning_pfl.methods.base import DROPOUT_STREAM
 from lightning_pfl.methods.fedprox import proximal_loss
 from lightning_pfl.models import build_network
+from lightning_pfl.streams import DROPOUT_STREAM
 from tests.conftest import build, digits_data
 from tests.helpers import CONF
 

@@ -45,8 +45,16 @@ from lightning_pfl.execution import (
 )
 from lightning_pfl.metrics import ACCURACIES, ClientAccuracy, over_evaluations
 from lightning_pfl.models import build_network
-from lightning_pfl.privacy import EPSILON_KEY, NOISE_STREAM, ClientDP, PrivacyAccountant
+from lightning_pfl.privacy import EPSILON_KEY, ClientDP, PrivacyAccountant
 from lightning_pfl.reporting import per_client_figure, report_partition
+from lightning_pfl.streams import (
+    BATCH_STREAM,
+    CLIENT_STREAM,
+    DROPOUT_STREAM,
+    INIT_STREAM,
+    NOISE_STREAM,
+    SERVER_INIT_STREAM,
+)
 from lightning_pfl.trainer_settings import precision_problem
 from lightning_pfl.validation import (
     Momentum,
@@ -61,8 +69,6 @@ from lightning_pfl.validation import (
 
 if TYPE_CHECKING:
     from lightning_pfl.assignment import NetworkGroups
-
-INIT_STREAM, CLIENT_STREAM, BATCH_STREAM, SERVER_INIT_STREAM, DROPOUT_STREAM = 0, 1, 2, 3, 4
 
 
 @dataclass

@@ -13,9 +13,8 @@ from torch.func import grad, vmap
 from lightning_pfl.engine import Params, derive_seed, weighted_cross_entropy
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedproto import feature_dim
+from lightning_pfl.streams import CALIBRATION_STREAM
 from lightning_pfl.validation import PositiveFloat, PositiveInt
-
-CALIBRATION_STREAM = 14  # the virtual representations and their batch order
 
 
 @torch.no_grad()

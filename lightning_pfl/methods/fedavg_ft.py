@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig, derive_seed, train_clients
-from lightning_pfl.methods.base import DROPOUT_STREAM
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.streams import DROPOUT_STREAM
 from lightning_pfl.validation import PositiveInt
 
 FINETUNE_PHASE = 7  # batch stream of the fine-tuning epochs (apart from training's phases)

@@ -12,9 +12,8 @@ from torch.func import vmap
 from lightning_pfl.engine import Params, derive_seed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.local import Local
+from lightning_pfl.streams import FOMO_STREAM
 from lightning_pfl.validation import NonNegativeFloat, PositiveInt, UnitInterval
-
-FOMO_STREAM = 7  # random stream of the model choice (epsilon-greedy)
 
 
 def fomo_weights(own_loss: Tensor, candidate_loss: Tensor, distance: Tensor) -> Tensor:

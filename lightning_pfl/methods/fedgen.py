@@ -20,9 +20,9 @@ from lightning_pfl.generator import ConditionalGenerator, sample_labels, train_g
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.step_inputs import CLOCK, CLOCK_GROUP, at, start_clock, tick
+from lightning_pfl.streams import GENERATOR_STREAM
 from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
-GENERATOR_STREAM = 7  # seeds the generated samples and the generator's training, per round
 GEN_Z, GEN_Y, GEN_TARGET = "generated.z", "generated.y", "generated.target"
 
 

@@ -19,9 +19,9 @@ from lightning_pfl.engine import (
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.step_inputs import CLOCK, CLOCK_GROUP, at, start_clock, tick
+from lightning_pfl.streams import FLOCO_STREAM
 from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveInt
 
-FLOCO_STREAM = 8  # seeds the sampled simplex points, per round
 SIGNATURE_PHASE = 1  # the batches and simplex points of round tau's signature pass
 SIMPLEX = "simplex"  # the M endpoints of the classifier weight, stacked [M, ...]
 ALPHAS = "alphas"  # the round's sampled simplex points [S, M] in the loss's frozen tensors

@@ -39,6 +39,12 @@ from lightning_pfl.models.multihead_hypernetwork import (
     HeadSharing,
     MultiHeadHyperNetwork,
 )
+from lightning_pfl.streams import (
+    CONSTRAINED_STREAM,
+    GLOBAL_STREAM,
+    ORDER_STREAM,
+    RECALIBRATION_STREAM,
+)
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -54,9 +60,6 @@ Fraction = Annotated[float, Range(gt=0, le=1)]
 CONSTRAINED = "constrained"  # [C] bool: a resource-constrained client (holds its fixed layers)
 GENERATED = "generated."  # + tensor name: the generated value of a fixed tensor
 HOLDS = "holds_global"  # [C] bool: the client holds the global model (distils from it)
-CONSTRAINED_STREAM, GLOBAL_STREAM = 11, 12  # seeded draws of the constrained clients, holders
-RECALIBRATION_STREAM = 13  # the batches evaluation re-estimates batch-norm statistics on
-ORDER_STREAM = 14  # the order of the server's per-client steps in a round
 
 
 class MHPFedHN(FederatedMethod):

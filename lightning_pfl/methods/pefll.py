@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_pfl.engine import Params, derive_seed
-from lightning_pfl.methods.base import BATCH_STREAM, payload_bytes
+from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads
+from lightning_pfl.streams import BATCH_STREAM
 from lightning_pfl.validation import NonNegativeInt, PositiveInt
 
 DESCRIPTOR_PHASE = 1

@@ -13,9 +13,8 @@ from lightning_pfl.engine import Params, TrainResult, derive_seed, weighted_cros
 from lightning_pfl.losses import linear_surrogate
 from lightning_pfl.methods.base import NovelAdaptation
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.streams import ADAPT_STREAM
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
-
-ADAPT_STREAM = 101  # seeds the evaluation's adaptation batch (apart from the base's streams)
 
 
 def hessian_vector_product(

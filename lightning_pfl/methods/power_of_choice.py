@@ -11,8 +11,8 @@ from torch import Tensor
 
 from lightning_pfl.engine import derive_seed
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import CLIENT_STREAM
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.streams import CLIENT_STREAM
 from lightning_pfl.validation import PositiveInt
 
 
