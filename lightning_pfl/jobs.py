@@ -272,9 +272,21 @@ def summarize(
 
 
 def format_summary(summary: dict[str, Any], path: Path) -> str:
+    """The job's closing table: test accuracy at the best-validation round and at the last
+    round; without validation (no run has a best round) the mean over the last evaluations
+    (``test_last_evals``, e.g. FedTP's metric) takes the best round's place."""
+    if any("test_at_best_val.acc" in row for row in summary["points"]):
+        first = [
+            ("test_at_best_val.acc", "test@best acc"),
+            ("test_at_best_val.acc_weighted", "pooled"),
+        ]
+    else:
+        first = [
+            ("test_last_evals.acc_mean", "last-evals acc"),
+            ("test_last_evals.acc_weighted_mean", "pooled"),
+        ]
     columns = [
-        ("test_at_best_val.acc", "test@best acc"),
-        ("test_at_best_val.acc_weighted", "pooled"),
+        *first,
         ("test_last.acc", "test@last acc"),
         ("test_last.acc_weighted", "pooled"),
     ]

@@ -21,7 +21,7 @@ import lightning_pfl.partition as partitions
 from lightning_pfl.cli import run
 from lightning_pfl.engine import Architecture, cross_entropy_loss, derive_seed
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.jobs import Runs, expand
+from lightning_pfl.jobs import Runs, expand, format_summary, summarize
 from lightning_pfl.lockstep import Lockstep, LockstepExecutor, Opaque, get_rng, signature
 from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.methods.fedprox import proximal_loss
@@ -320,3 +320,26 @@ def test_an_interrupted_job_resumes_to_the_results_of_an_uninterrupted_one(tmp_p
     assert not (stopped / "job.json").exists()
     run([*JOB, f"--trainer.logger.init_args.save_dir={tmp_path / 'stopped'}", "--ckpt_path=last"])
     assert _job_results(tmp_path / "stopped") == _job_results(tmp_path / "straight")
+
+
+def test_a_job_without_validation_summarizes_the_last_evaluations(tmp_path: Path) -> None:
+    """val_fraction 0 (FedTP's protocol): no run has a best round, so the table shows the mean
+    over the last evaluations, the paper's metric, where the best round's accuracy would be."""
+    specs = expand(Runs(seeds=[0, 1]), {"model.init_args.seed": 0, "data.init_args.seed": 0})
+    paths = []
+    for spec, (mean, pooled) in zip(specs, [(0.8, 0.7), (0.6, 0.5)], strict=True):
+        path = tmp_path / f"{spec.label}.json"
+        results = {
+            "select_metric": None,
+            "test_at_best_val": None,
+            "val_at_best": None,
+            "test_last": {"acc": mean, "acc_weighted": pooled},
+            "test_last_evals": {"acc_mean": mean, "acc_weighted_mean": pooled},
+        }
+        path.write_text(json.dumps(results))
+        paths.append(path)
+    summary = summarize(specs, paths, "acc")
+    assert summary["best_point"] is None
+    header, row = format_summary(summary, tmp_path / "job.json").splitlines()[1:3]
+    assert header.split(" | ")[2] == "last-evals acc"
+    assert row.split(" | ")[2:4] == ["70.00 +- 10.00", "60.00 +- 10.00"]
