@@ -51,6 +51,10 @@ UNEQUAL = [  # 5 of 7 clients per round (odd: a padding slot on rank 1), unequal
 ]
 
 
+# drops and stragglers (docs/conditions.md): every rank must mask the same clients and steps
+UNRELIABLE = '--model.init_args.conditions={"drop_rate": 0.4, "stragglers": {"rate": 0.5}}'
+
+
 @pytest.mark.parametrize(
     ("method", "extra"),
     [
@@ -58,8 +62,9 @@ UNEQUAL = [  # 5 of 7 clients per round (odd: a padding slot on rank 1), unequal
         ("pfedhn", ["--model.init_args.clients_per_round=3"]),
         ("fedsimsup", ["--model.init_args.clients_per_round=3"]),
         ("pfedhn", UNEQUAL),
+        ("fedavg", ["--model.init_args.clients_per_round=3", UNRELIABLE]),
     ],
-    ids=["fedavg", "pfedhn", "fedsimsup", "pfedhn-odd-unequal"],
+    ids=["fedavg", "pfedhn", "fedsimsup", "pfedhn-odd-unequal", "fedavg-unreliable"],
 )
 def test_two_process_ddp_equals_single_process(
     method: str, extra: list[str], tmp_path: Path
