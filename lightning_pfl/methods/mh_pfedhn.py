@@ -33,7 +33,7 @@ from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import distillation_loss
 from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
 from lightning_pfl.models import build_network
-from lightning_pfl.models.hypernetwork import set_delta_gradients
+from lightning_pfl.models.hypernetwork import set_delta_gradients, steps_in_turn
 from lightning_pfl.models.multihead_hypernetwork import (
     FlatCodec,
     HeadSharing,
@@ -480,11 +480,9 @@ class MHPFedHN(FederatedMethod):
                 g, d = generated[r : r + 1], delta[r : r + 1]
                 set_delta_gradients(params, [g], [d], [one], self.hp.hn_max_grad_norm, True)
                 grads[position] = [p.grad for p in params]
-        for k, position in enumerate(self.update_order(round_idx, len(grads))):
-            if k:
-                self.step_server()
-            for p, grad in zip(params, grads[position], strict=True):
-                p.grad = grad
+        assert self.server_optimizer is not None, "configure_optimizers() sets it"
+        order = self.update_order(round_idx, len(grads))
+        steps_in_turn(self.server_optimizer, params, [grads[position] for position in order])
 
     def step_server(self) -> None:
         """One step of the server optimizer with the gradients set, then clear them."""

@@ -18,6 +18,7 @@ from lightning_pfl.models.hypernetwork import (
     BaseHyperNetwork,
     HeadInit,
     set_delta_gradients,
+    steps_in_turn,
 )
 from lightning_pfl.privacy import private_sum, privatizes
 from lightning_pfl.validation import (
@@ -197,11 +198,7 @@ class PFedHN(FederatedMethod):
                 generated, {n: d[i : i + 1] for n, d in delta.items()}, rows=slice(i, i + 1)
             )
             per_client.append([p.grad for p in params])
-        for i, grads in enumerate(per_client):
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            if i < len(per_client) - 1:
-                optimizer.step()
+        steps_in_turn(optimizer, params, per_client)
 
     def set_hypernetwork_gradients(
         self,

@@ -122,6 +122,21 @@ def set_delta_gradients(
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
+def steps_in_turn(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[nn.Parameter],
+    gradients: Sequence[Sequence[Tensor | None]],
+) -> None:
+    """One optimizer step per entry of ``gradients`` (each a gradient per parameter of
+    ``params``, e.g. one client's), in order; the last is left set, for the step the base class
+    takes at the end of the round."""
+    for k, grads in enumerate(gradients):
+        if k:
+            optimizer.step()
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+
 def apply_heads(
     features: Tensor, target_shapes: Mapping[str, tuple[int, ...]], heads: nn.ModuleList
 ) -> dict[str, Tensor]:
