@@ -151,7 +151,7 @@ class GradientInversion(Callback):
         with torch.enable_grad():
             record, real, fake = self.invert(method)
         record["round"] = int(method.global_step)
-        method.extra_results["gradient_inversion"] = record
+        method.record.extra_results["gradient_inversion"] = record
         if isinstance(trainer.logger, TensorBoardLogger) and trainer.is_global_zero:
             step = int(method.global_step)
             trainer.logger.experiment.add_images("attack/real", real, step)

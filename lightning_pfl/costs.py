@@ -97,7 +97,7 @@ class RoundCosts(Callback):
         drawn = method.local_steps_drawn
         steps = float(drawn.item() if isinstance(drawn, Tensor) else drawn)
         method.local_steps_drawn = 0
-        down, up = method._round_bytes
+        down, up = method.record.round_bytes
         step_flops = self.step_flops(method)
         server = self.server_flops(method, sampled)
         metrics = {
@@ -117,11 +117,11 @@ class RoundCosts(Callback):
             self.totals["flops_server"] += server
             metrics["cost/flops_server_total"] = self.totals["flops_server"]
         method._log_at_round(metrics)
-        method.extra_results["costs"] = self.summary(method)
+        method.record.extra_results["costs"] = self.summary(method)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         method: FederatedMethod = pl_module  # type: ignore[assignment]
-        method.extra_results["costs"] = self.summary(method)
+        method.record.extra_results["costs"] = self.summary(method)
 
     def summary(self, method: FederatedMethod) -> dict[str, float | None]:
         """The ``costs`` entry of ``results.json``."""

@@ -147,7 +147,7 @@ class NovelClients(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert isinstance(pl_module, FederatedMethod)
-        if pl_module.stopped_by is None:  # interrupted: nothing was trained to the end
+        if pl_module.record.stopped_by is None:  # interrupted: nothing was trained to the end
             return
         adaptation = self.adaptation(pl_module)
         changed = adaptation.tensors + adaptation.buffers
@@ -157,14 +157,14 @@ class NovelClients(Callback):
             for tensor, value in zip(changed, trained, strict=True):
                 tensor.copy_(value)
         last_acc = pl_module._evaluate_all("test")[0]["acc"]
-        best = pl_module.best
+        best = pl_module.record.best
         train_acc = best["test"]["acc"] if best else last_acc
         tv, nearest = self.label_distances(pl_module)
         ids = self.novel_ids(pl_module).tolist()
         summary = self.summary(history, train_acc, ids, tv, nearest)
         summary["train_clients_round"] = best["round"] if best else pl_module.global_step
         summary["train_clients_test_acc_last"] = last_acc
-        pl_module.extra_results["novel_clients"] = summary
+        pl_module.record.extra_results["novel_clients"] = summary
         logged = {"novel/train_clients_test_acc": train_acc, "novel/gap": summary["gap"]}
         for logger in trainer.loggers:
             logger.log_metrics(logged, step=0)

@@ -81,7 +81,7 @@ def test_fedproto_communicates_prototypes_only_and_keeps_models_local() -> None:
     assert not torch.equal(changed[0], before["fc2.weight"][0])
     assert torch.equal(changed[1], before["fc2.weight"][1])
     k, d = method.prototypes.shape
-    assert method._round_bytes[1] == 2 * (k * d + k) * 4
+    assert method.record.round_bytes[1] == 2 * (k * d + k) * 4
 
 
 def test_fedproto_vectorized_equals_sequential() -> None:

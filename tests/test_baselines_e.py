@@ -76,7 +76,7 @@ def test_fedgh_uploads_only_class_representations_and_the_server_trains_the_head
     clients = torch.tensor([0, 2, 5])
     before = method.header.weight.detach().clone()
     method.run_round(0, clients)
-    down, up = method._round_bytes
+    down, up = method.record.round_bytes
     # 2 classes per client, d = 64 float32 each, plus an int64 class id each.
     assert up == 3 * 2 * (64 * 4 + 8)
     assert down == 3 * (10 * 64 + 10) * 4
@@ -267,7 +267,7 @@ def test_pefll_calibration_standardizes_descriptors_and_rescales_psis_rate(
     assert isinstance(method, PeFLL)
     method.configure_optimizers()
     raw = method.mean_embeddings(torch.arange(6))
-    before = method.comm_bytes_total.clone()
+    before = method.record.comm_bytes_total.clone()
     method.calibrate_descriptors()
     method.calibrate_descriptors()  # idempotent: the rate is set from embed_lr, not compounded
     embedder = method.network.embedder
@@ -278,7 +278,7 @@ def test_pefll_calibration_standardizes_descriptors_and_rescales_psis_rate(
     rates = [g["lr"] for g in method.server_optimizer.param_groups]
     assert rates == pytest.approx([0.03, 0.02 * float(embedder.scale) ** power])
     # each client received psi and sent its d numbers, twice here
-    sent = method.comm_bytes_total - before
+    sent = method.record.comm_bytes_total - before
     assert float(sent[1]) == 2 * 6 * v.shape[1] * 4
     # the personalized model reads the standardized full-data descriptor
     models = method.personalized_params(torch.arange(6))
@@ -355,7 +355,7 @@ def test_fedakt_only_the_adapter_extractor_travels_and_is_averaged() -> None:
     extractor = {n: p for n, p in method.adapter.named_parameters() if p.requires_grad}
     assert "fc.weight" not in extractor
     size = sum(p.numel() * 4 for p in extractor.values())
-    assert method._round_bytes == [3 * size, 3 * size]
+    assert method.record.round_bytes == [3 * size, 3 * size]
     weights = method.client_weights(clients)
     stacked = {n: torch.zeros(3, *p.shape) for n, p in extractor.items()}
     for kind, rows in method.groups.split(clients):
@@ -447,7 +447,7 @@ def test_pfedgp_predicts_with_each_clients_own_gp_and_shares_only_the_extractor(
     method.run_round(0, torch.tensor([0, 1, 4]))
     assert "fc2.weight" not in method.payload(clients)
     size = sum(p.numel() * 4 for n, p in method.net.named_parameters() if not n.startswith("fc2"))
-    assert method._round_bytes == [3 * size, 3 * size]
+    assert method.record.round_bytes == [3 * size, 3 * size]
     params = method.personalized_params(clients)
     index, weight = next(method.data.eval_blocks(clients, "train", 10**6))
     x, y = method.data.fetch(index)
@@ -502,7 +502,7 @@ def test_heterogeneous_local_trains_only_the_sampled_clients_and_sends_nothing()
     method = build(HeterogeneousLocal, digits_data(6), architectures=architectures)
     before = {f: {n: t.clone() for n, t in ts.items()} for f, ts in method.store.fields.items()}
     method.run_round(0, torch.tensor([0, 1, 2, 3]))
-    assert method._round_bytes == [0.0, 0.0]
+    assert method.record.round_bytes == [0.0, 0.0]
     for kind in architectures:
         members = method.groups.members(kind)
         sampled = torch.isin(members, torch.tensor([0, 1, 2, 3]))

@@ -261,13 +261,13 @@ def test_every_method_counts_what_a_round_sends(name: str) -> None:
     method = build(getattr(methods, name), dm, **conf_of(name))
     costs = RoundCosts()
     fit(method, dm, rounds=1, callbacks=[costs])
-    down, up = method._round_bytes
+    down, up = method.record.round_bytes
     if name in NO_COMMUNICATION:
         assert down == up == 0
     else:
         assert down > 0 and up > 0
     assert costs.totals["local_steps"] > 0
-    summary = method.extra_results["costs"]
+    summary = method.record.extra_results["costs"]
     if method.network_groups() is None:
         step = method.executor.step_flops(method.arch)
         assert summary["flops_local_total"] == step * costs.totals["local_steps"]

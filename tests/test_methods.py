@@ -70,7 +70,7 @@ def test_local_sends_nothing_and_keeps_momentum() -> None:
     dm = digits_data(4)
     method = build(Local, dm, clients_per_round=2)
     fit(method, dm, rounds=2)
-    assert method.comm_bytes_total.sum() == 0
+    assert method.record.comm_bytes_total.sum() == 0
     assert method.store.fields["momentum"]["fc1.weight"].flatten(1).abs().sum(1).gt(0).any()
 
 

@@ -365,8 +365,8 @@ def test_sparsified_upload_keeps_the_largest_entries_and_counts_fewer_bytes() ->
     dense = build_mh()
     for m in (method, dense):
         m.run_round(0, torch.tensor([0, 1]))
-    assert method._round_bytes[1] < 0.7 * dense._round_bytes[1]
-    assert method._round_bytes[0] == dense._round_bytes[0]
+    assert method.record.round_bytes[1] < 0.7 * dense.record.round_bytes[1]
+    assert method.record.round_bytes[0] == dense.record.round_bytes[0]
 
 
 @pytest.mark.parametrize("teacher", ["received", "trained"])
@@ -713,9 +713,9 @@ def test_a_round_without_holders_takes_no_global_step() -> None:
     method.run_round(0, clients)
     assert not steps and len(calls) == len(list(method.zoo.split(clients)))  # personal only
     assert torch.equal(method.hnet.embeddings[start : start + tau], v_g)
-    no_global = method._round_bytes[0]
+    no_global = method.record.round_bytes[0]
     method.run_round(1, torch.tensor([0, 2, 3]))  # client 0 holds it: the global flat goes down
-    assert len(steps) == 1 and method._round_bytes[0] > no_global
+    assert len(steps) == 1 and method.record.round_bytes[0] > no_global
 
 
 def test_vectorized_equals_sequential_with_frozen_clients_and_local_layers() -> None:

@@ -433,9 +433,9 @@ def test_gap_uses_the_training_clients_accuracy_at_the_best_validation_round(
     )
     trainer.fit(method, datamodule=method.data)
     summary = method.results()["novel_clients"]
-    assert summary["train_clients_round"] == method.best["round"]
-    assert summary["train_clients_test_acc"] == method.best["test"]["acc"]
-    assert summary["gap"] == summary["test_acc"][-1] - method.best["test"]["acc"]
+    assert summary["train_clients_round"] == method.record.best["round"]
+    assert summary["train_clients_test_acc"] == method.record.best["test"]["acc"]
+    assert summary["gap"] == summary["test_acc"][-1] - method.record.best["test"]["acc"]
     for client in summary["clients"]:
         assert client["gap"] == client["test_acc_end"] - summary["train_clients_test_acc"]
     assert summary["tv_distance"] == pytest.approx(

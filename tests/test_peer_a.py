@@ -86,7 +86,7 @@ def test_scaffold_sends_and_receives_two_models_per_client() -> None:
     assert isinstance(method, SCAFFOLD)
     method.run_round(0, torch.tensor([0, 1, 2]))
     model = sum(t.numel() * t.element_size() for t in method.global_state().values())
-    assert method._round_bytes == [3 * 2 * model, 3 * 2 * model]
+    assert method.record.round_bytes == [3 * 2 * model, 3 * 2 * model]
 
 
 def test_scaffold_vectorized_equals_sequential() -> None:

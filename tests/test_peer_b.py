@@ -311,7 +311,7 @@ def test_fedamp_cloud_models_proximal_loss_and_round() -> None:
     for name, tensor in models.items():
         assert torch.equal(after[name][[0, 2]], tensor[[0, 2]]), name  # others untouched
         torch.testing.assert_close(after[name][[1, 3]], trained[0].params[name])
-    assert method._round_bytes[0] == method._round_bytes[1]  # u_i down, w_i up
+    assert method.record.round_bytes[0] == method.record.round_bytes[1]  # u_i down, w_i up
 
 
 def test_fedamp_refuses_a_negative_self_attention() -> None:
@@ -391,7 +391,7 @@ def test_apple_round_updates_the_own_core_model_and_relationships() -> None:
         expected = torch.einsum("j,j...->...", p[1], tensor)
         torch.testing.assert_close(personal[name][0], expected, msg=name)
     model_bytes = sum(t[0].numel() * 4 for t in before.values())
-    assert method._round_bytes == [2 * 4 * model_bytes, 2 * model_bytes]
+    assert method.record.round_bytes == [2 * 4 * model_bytes, 2 * model_bytes]
 
 
 def test_apple_vectorized_equals_sequential() -> None:

@@ -369,7 +369,7 @@ def test_gpfl_shares_extractor_gce_and_cov_and_keeps_the_head() -> None:
     heads = method.store.gather("personal", clients, method.device)
     for name in method.arch.head_names:
         assert torch.equal(heads[name], result[name]), name
-    sent, _ = method._round_bytes
+    sent, _ = method.record.round_bytes
     assert sent == payload_bytes({n: t for n, t in method.payload(clients).items()})
 
 

@@ -254,7 +254,7 @@ def test_power_of_choice_averages_uniformly_and_counts_the_loss_queries() -> Non
         expected = (before[name] - trained[0].params[name]).mean(0)
         torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-7, msg=name)
     model = payload_bytes(before)
-    assert method._round_bytes == [5 * model, 3 * model + 5 * 4]
+    assert method.record.round_bytes == [5 * model, 3 * model + 5 * 4]
 
 
 def test_power_of_choice_trains_through_the_trainer_with_the_counted_bytes() -> None:
@@ -263,7 +263,7 @@ def test_power_of_choice_trains_through_the_trainer_with_the_counted_bytes() -> 
     assert isinstance(method, FedAvgPoC)
     fit(method, dm, rounds=2)
     model = payload_bytes(method.global_state())
-    assert method.comm_bytes_total.tolist() == [2 * 4 * model, 2 * (2 * model + 4 * 4)]
+    assert method.record.comm_bytes_total.tolist() == [2 * 4 * model, 2 * (2 * model + 4 * 4)]
 
 
 def test_power_of_choice_refuses_a_bad_candidate_count_and_client_dp() -> None:

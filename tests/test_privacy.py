@@ -196,7 +196,7 @@ def test_no_noise_and_no_clip_is_the_run_without_dp_bit_for_bit(cls: type[FedAvg
         return method  # type: ignore[return-value]
 
     plain, private = trained(), trained(client_dp=NO_DP)
-    assert private.extra_results["privacy"]["epsilon"] == math.inf
+    assert private.record.extra_results["privacy"]["epsilon"] == math.inf
     for name, tensor in plain.state_dict().items():
         assert torch.equal(tensor, private.state_dict()[name]), name
     for field, tensors in plain.store.state_dict().items():

@@ -43,10 +43,16 @@ from lightning_pfl.execution import (
     check_threadable,
     choose_executor,
 )
-from lightning_pfl.metrics import ACCURACIES, ClientAccuracy, over_evaluations
+from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
 from lightning_pfl.privacy import EPSILON_KEY, ClientDP, PrivacyAccountant
-from lightning_pfl.reporting import per_client_figure, report_partition
+from lightning_pfl.reporting import report_partition
+from lightning_pfl.run_record import (
+    RunRecord,
+    hparams_table,
+    log_client_accuracy,
+    log_hparams_table,
+)
 from lightning_pfl.streams import (
     BATCH_STREAM,
     CLIENT_STREAM,
@@ -239,22 +245,8 @@ class FederatedMethod(LightningModule, ABC):
         self.ddp_anchor = nn.Parameter(torch.zeros(0))
         self.val_metric = ClientAccuracy(num_clients)
         self.test_metric = ClientAccuracy(num_clients)
-        # Bytes sent / received so far: counted on the host from tensor shapes (no sync).
-        self.comm_bytes_total = torch.zeros(2, dtype=torch.float64)
-        self._round_bytes = [0.0, 0.0]
         self._data: FederatedDataModule | None = None
-        self.best: dict[str, Any] = {}
-        self.last_val: dict[str, float] = {}
-        # Test accuracies at every evaluation: the papers' "best test over rounds" and "mean of
-        # the last evaluations" (metrics.over_evaluations).
-        self.eval_history: list[dict[str, float]] = []
-        self.test_last: dict[str, float] | None = None
-        self.train_seconds = 0.0
-        self.rounds_timed = 0
-        self.checkpoint_round = 0
-        self.stopped_by: str | None = None
-        self.experiment: dict[str, Any] | None = None  # set by the CLI, checked on resume
-        self.extra_results: dict[str, Any] = {}  # entries callbacks add to results.json
+        self.record = RunRecord(select_metric, last_evals)
         self.server_optimizer: torch.optim.Optimizer | None = None  # set by configure_optimizers
         self._executor: Executor | None = None
         self._executor_pinned = False
@@ -296,42 +288,14 @@ class FederatedMethod(LightningModule, ABC):
         return {} if groups is None else groups.client_groups("arch")
 
     def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
-        """What the held-out novel ``clients`` adapt after training, and on which loss.
-
-        Default (pFedHN): a hypernetwork ``hnet`` with one trainable embedding per client
-        (``hnet.embeddings``, an ``nn.Embedding``) whose forward maps client ids to generated
-        tensors named as (some of) :meth:`personalized_params`; only the clients' embeddings
-        adapt, the other personalized tensors are read from :meth:`personalized_params` at
-        every step (they adapt only if an override adds them to the tensors), and the loss is
-        each client's mean cross-entropy of :meth:`predict`. Any other method is refused with
-        a ConfigError unless it overrides this hook.
-        """
-        hnet = getattr(self, "hnet", None)
-        embeddings = getattr(hnet, "embeddings", None)
-        if (
-            not isinstance(hnet, nn.Module)
-            or not isinstance(embeddings, nn.Embedding)
-            or embeddings.num_embeddings != self.hp.num_clients
-            or not embeddings.weight.requires_grad
-        ):
-            raise ConfigError(
-                f"trainer.callbacks NovelClients: {type(self).__name__} has no hypernetwork "
-                "``hnet`` with one trainable embedding per client (``hnet.embeddings``), so "
-                "novel clients cannot adapt; use PFedHN, PFedHNPC, MHPFedHN, MHPFedHNG, "
-                "MHPFedHNGD, FedAvg, FedPer, LGFedAvg, PerFedAvg or Local, or remove the "
-                "callback."
-            )
-        with torch.no_grad():
-            unknown = sorted(set(hnet(clients)) - set(self.personalized_params(clients)))
-        if unknown:
-            raise ConfigError(
-                f"NovelClients: {type(self).__name__}'s hypernetwork generates {unknown}, which "
-                "are not among its personalized parameters; it cannot adapt novel clients."
-            )
-
-        return NovelAdaptation(
-            [embeddings.weight],
-            self.novel_loss(lambda: {**self.personalized_params(clients), **hnet(clients)}),
+        """What the held-out novel ``clients`` adapt after training, and on which loss
+        (pFedHN section 5.3's protocol). A method that keeps this default cannot adapt a new
+        client, and the callback is refused."""
+        raise ConfigError(
+            f"trainer.callbacks NovelClients: {type(self).__name__} does not say how a new "
+            "client adapts, so novel clients cannot be evaluated; use PFedHN, PFedHNPC, "
+            "MHPFedHN, MHPFedHNG, MHPFedHNGD, FedAvg, FedPer, LGFedAvg, PerFedAvg or Local, or "
+            "remove the callback."
         )
 
     def novel_loss(self, params: Callable[[], Params]) -> Callable[[Tensor, Tensor], Tensor]:
@@ -474,7 +438,7 @@ class FederatedMethod(LightningModule, ABC):
         epsilon (``privacy/epsilon``, at the step the round's other scalars use)."""
         assert self.privacy is not None, "client_dp is not set"
         spent = self.privacy.summary(round_idx + 1, self.privatized)
-        self.extra_results["privacy"] = spent
+        self.record.extra_results["privacy"] = spent
         for logger in self.loggers if self._trainer is not None else []:
             logger.log_metrics({EPSILON_KEY: spent["epsilon"]}, step=round_idx + 1)
         seed = derive_seed(self.hp.seed, round_idx, NOISE_STREAM)
@@ -517,7 +481,7 @@ class FederatedMethod(LightningModule, ABC):
         if self.unreliable is not None and self.round_reach[0] == self.global_step:
             _, sampled, contacted, arrived = self.round_reach
             down_bytes, up_bytes = down_bytes * contacted / sampled, up_bytes * arrived / sampled
-        self._round_bytes = [down_bytes, up_bytes]
+        self.record.round_bytes = [down_bytes, up_bytes]
 
     # ----------------------------------------------------------------- Lightning plumbing
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -547,7 +511,9 @@ class FederatedMethod(LightningModule, ABC):
     def on_train_start(self) -> None:
         if self.global_step == 0:
             if self.trainer.is_global_zero and isinstance(self.logger, TensorBoardLogger):
-                _log_hparams_table(self.logger, self.hparam_table())
+                log_hparams_table(
+                    self.logger, hparams_table(type(self).__name__, self.hparams, self.data)
+                )
             if self._validation_enabled():
                 self._record_validation(
                     self._evaluate_all("val") if self.data.has_validation else None
@@ -596,7 +562,7 @@ class FederatedMethod(LightningModule, ABC):
         assert not isinstance(optimizer, list)
         optimizer.zero_grad()
         clients = self.sample_clients(round_idx)
-        self._round_bytes = [0.0, 0.0]
+        self.record.round_bytes = [0.0, 0.0]
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # dropout: seeded by round, resumable
             torch.manual_seed(derive_seed(self.hp.seed, round_idx, DROPOUT_STREAM))
@@ -615,26 +581,17 @@ class FederatedMethod(LightningModule, ABC):
                 "check the inputs."
             )
         optimizer.step()
-        self.comm_bytes_total += torch.tensor(self._round_bytes, dtype=torch.float64)
-        self.train_seconds += time.perf_counter() - start
-        self.rounds_timed += 1
-        metrics = {
-            "train/loss": loss,
-            "comm/bytes_down": self._round_bytes[0],
-            "comm/bytes_up": self._round_bytes[1],
-            "comm/bytes_down_total": float(self.comm_bytes_total[0]),
-            "comm/bytes_up_total": float(self.comm_bytes_total[1]),
-        }
-        self._log_at_round(metrics)
+        comm = self.record.end_round(time.perf_counter() - start)
+        self._log_at_round({"train/loss": loss, **comm})
         self.log("round", float(self.global_step), prog_bar=True, logger=False)
         self.log("loss", loss, prog_bar=True, logger=False)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.trainer.max_steps > 0 and self.global_step >= self.trainer.max_steps:
-            self.stopped_by = "max_steps"
+            self.record.stopped_by = "max_steps"
             self.trainer.should_stop = True  # Lightning then validates this final round
-        elif self.trainer.should_stop and self.stopped_by is None:
-            self.stopped_by = "max_time or a callback"
+        elif self.trainer.should_stop and self.record.stopped_by is None:
+            self.record.stopped_by = "max_time or a callback"
 
     def _log_at_round(self, metrics: Mapping[str, float]) -> None:
         """Log scalars at step = rounds completed (the step every key and figure uses)."""
@@ -711,43 +668,22 @@ class FederatedMethod(LightningModule, ABC):
         """Evaluate the test split at this round and log it; with ``validation`` (statistics
         and per-client accuracies; None: the data has no validation split) also make the round
         a best-round candidate and log the validation."""
-        key = self.hp.select_metric
-        round_idx = int(self.global_step)
         test = self._evaluate_all("test")[0]
-        self.eval_history.append({"round": round_idx, **{k: test[k] for k in ACCURACIES}})
-        logged = {f"test_eval/{k}": test[k] for k in ACCURACIES}
-        speed = f"{self.train_seconds / max(self.rounds_timed, 1):.3f} s/round"
-        if validation is None:
-            summary = f"test acc {test['acc']:.4f} (weighted {test['acc_weighted']:.4f})"
-        else:
-            stats, per_client = validation
-            self.last_val = {**stats, "round": round_idx}
-            if not self.best or stats[key] > self.best["val"][key]:
-                self.best = {"round": round_idx, "val": stats, "test": test}
-            logged |= {f"val/{k}": v for k, v in stats.items()}
-            logged["val/best_acc"] = self.best["val"][key]
-            self._log_client_accuracy("val", per_client)
-            summary = (
-                f"val acc {stats['acc']:.4f} (weighted {stats['acc_weighted']:.4f}), best "
-                f"{self.best['val'][key]:.4f} at round {self.best['round']}"
-            )
+        logged, summary = self.record.add_evaluation(
+            int(self.global_step), test, None if validation is None else validation[0]
+        )
         self._log_at_round(logged)
+        if validation is not None:
+            self._log_client_accuracy("val", validation[1])
         if self.trainer.is_global_zero and self.trainer.progress_bar_callback is None:
+            speed = f"{self.record.seconds_per_round:.3f} s/round"
             rank_zero_info(f"round {self.global_step}/{self.trainer.max_steps}: {summary}, {speed}")
 
     def _log_client_accuracy(self, prefix: str, per_client: Tensor) -> None:
-        if not (isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero):
-            return
-        seen = per_client[~per_client.isnan()].cpu()
-        experiment = self.logger.experiment
-        experiment.add_histogram(f"{prefix}/client_acc", seen, self.global_step)
-        if not self.hp.log_figures:
-            return
-        experiment.add_figure(
-            f"{prefix}/client_acc_sorted",
-            per_client_figure(seen, f"{prefix} accuracy per client, round {self.global_step}"),
-            self.global_step,
-        )
+        if isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero:
+            log_client_accuracy(
+                self.logger, prefix, per_client, self.global_step, self.hp.log_figures
+            )
 
     def on_validation_epoch_end(self) -> None:
         if not self.data.has_validation:
@@ -763,21 +699,13 @@ class FederatedMethod(LightningModule, ABC):
         key = self.hp.select_metric
         for name, value in (("val/acc", stats["acc"]), ("val/acc_weighted", stats["acc_weighted"])):
             self.log(name, value, prog_bar=True, logger=False, sync_dist=True)
-        self.log("val/best_acc", self.best["val"][key], logger=False, sync_dist=True)
+        self.log("val/best_acc", self.record.best["val"][key], logger=False, sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
         stats = {k: float(v) for k, v in self.test_metric.compute().items()}
         per_client = self.test_metric.per_client()
         self.test_metric.reset()
-        self.test_last = {**stats, "round": self.current_round}
-        logged = {f"test/{k}": v for k, v in stats.items()}
-        if self.best:
-            logged |= {f"test_best/{k}": v for k, v in self.best["test"].items()}
-            logged["test_best/round"] = float(self.best["round"])
-        for name, summary in over_evaluations(self.eval_history, self.hp.last_evals).items():
-            logged |= {
-                f"{name}/{k}": float(v) for k, v in summary.items() if not isinstance(v, list)
-            }
+        logged = self.record.add_test(self.current_round, stats)
         for name, value in logged.items():
             self.log(name, value, logger=False, sync_dist=True)
         self._log_at_round(logged)
@@ -786,86 +714,28 @@ class FederatedMethod(LightningModule, ABC):
     @property
     def current_round(self) -> int:
         """Rounds trained so far (a loaded checkpoint's round when testing it)."""
-        return max(int(self.global_step), self.checkpoint_round)
-
-    def hparam_table(self) -> dict[str, Any]:
-        """Method, data and split settings, flattened for TensorBoard's HParams tab."""
-        table: dict[str, Any] = {"method": type(self).__name__}
-        for name, value in self.hparams.items():
-            if not name.startswith("_"):
-                table[f"model/{name}"] = value
-        for name, value in self.data.describe().items():
-            table[f"data/{name}"] = value
-        return {
-            k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in table.items()
-        }
+        return max(int(self.global_step), self.record.checkpoint_round)
 
     # ----------------------------------------------------------------- state and results
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["pfl"] = {
             "client_state": self.store.state_dict(),
-            "best": self.best,
-            "last_val": self.last_val,
-            "eval_history": self.eval_history,
-            "train_seconds": self.train_seconds,
-            "rounds_timed": self.rounds_timed,
             "round": int(self.global_step),
-            "comm_bytes_total": self.comm_bytes_total.tolist(),
-            "experiment": self.experiment,
+            **self.record.state_dict(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["pfl"]
         self.store.load_state_dict(state["client_state"])
-        self.best = state["best"]
-        self.last_val = state["last_val"]
-        if "eval_history" not in state:
-            raise ConfigError(
-                "the checkpoint was written before runs kept the test accuracy of every "
-                "evaluation (eval_history, behind results.json's test_max_over_evals and "
-                "test_last_evals), so a run resumed from it could not reach the state of an "
-                "uninterrupted one; start the run again without --ckpt_path."
-            )
-        self.eval_history = state["eval_history"]
-        self.train_seconds = state["train_seconds"]
-        self.rounds_timed = state["rounds_timed"]
-        self.checkpoint_round = state["round"]
-        self.comm_bytes_total = torch.tensor(state["comm_bytes_total"], dtype=torch.float64)
+        self.record.load_state_dict(state)
 
     def results(self) -> dict[str, Any]:
         """Summary written to ``results.json``: metrics, rounds, speed, communication."""
-        return {
-            "method": type(self).__name__,
-            "rounds": self.current_round,
-            "stopped_by": self.stopped_by,
-            "seconds_per_round": self.train_seconds / max(self.rounds_timed, 1),
-            # None without a validation split: no round is selected (best_round etc. are None)
-            "select_metric": self.hp.select_metric if self.data.has_validation else None,
-            "val_last": self.last_val,
-            "best_round": self.best.get("round"),
-            "val_at_best": self.best.get("val"),
-            "test_at_best_val": self.best.get("test"),
-            "test_last": self.test_last,
-            **over_evaluations(self.eval_history, self.hp.last_evals),
-            "eval_history": self.eval_history,
-            "comm_bytes_down_total": float(self.comm_bytes_total[0]),
-            "comm_bytes_up_total": float(self.comm_bytes_total[1]),
-            "seed": self.hp.seed,
-            **self.extra_results,
-        }
+        return self.record.results(
+            type(self).__name__, self.current_round, self.data.has_validation, self.hp.seed
+        )
 
 
 def payload_bytes(tensors: Mapping[str, Tensor]) -> int:
     """Bytes of ``tensors`` on the wire (from their shapes and dtypes: no host sync)."""
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _log_hparams_table(logger: TensorBoardLogger, table: dict[str, Any]) -> None:
-    """Write the HParams-tab entry with ``val/best_acc`` as its metric (no placeholder value)."""
-    from torch.utils.tensorboard.summary import hparams
-
-    metric = {"val/best_acc": math.nan}
-    experiment, start, end = hparams(table, metric)
-    writer = logger.experiment._get_file_writer()
-    for summary in (experiment, start, end):
-        writer.add_summary(summary)

@@ -278,7 +278,7 @@ class PeFLL(PFedHN):
         embedder = self.network.embedder
         embedder.calibrate(means)
         psi = self.network.embedding_parameters()
-        self.comm_bytes_total += torch.tensor(
+        self.record.comm_bytes_total += torch.tensor(
             [
                 len(clients) * payload_bytes(dict(embedder.named_parameters())),
                 payload_bytes({"v": means}),

@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_pfl.engine import Architecture, Params
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import (
     DEFAULT_FEATURE_SCALE,
@@ -258,6 +258,34 @@ class PFedHN(FederatedMethod):
         if self.hp.hn_max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(body, self.hp.hn_max_grad_norm)
             torch.nn.utils.clip_grad_norm_(embeddings, self.hp.hn_max_grad_norm)
+
+    def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
+        """Section 5.3: a novel client adapts only its embedding v_i (the hypernetwork phi is
+        fixed); the other personalized tensors are read from :meth:`personalized_params` at
+        every step, and the loss is each client's mean cross-entropy."""
+        embeddings = getattr(self.hnet, "embeddings", None)
+        if (
+            not isinstance(embeddings, nn.Embedding)
+            or embeddings.num_embeddings != self.hp.num_clients
+            or not embeddings.weight.requires_grad
+        ):
+            raise ConfigError(
+                f"trainer.callbacks NovelClients: {type(self).__name__}'s hypernetwork has no "
+                "trainable embedding per client (``hnet.embeddings``), so novel clients cannot "
+                "adapt; use PFedHN, PFedHNPC, MHPFedHN, MHPFedHNG, MHPFedHNGD, FedAvg, FedPer, "
+                "LGFedAvg, PerFedAvg or Local, or remove the callback."
+            )
+        with torch.no_grad():
+            unknown = sorted(set(self.hnet(clients)) - set(self.personalized_params(clients)))
+        if unknown:
+            raise ConfigError(
+                f"NovelClients: {type(self).__name__}'s hypernetwork generates {unknown}, which "
+                "are not among its personalized parameters; it cannot adapt novel clients."
+            )
+        return NovelAdaptation(
+            [embeddings.weight],
+            self.novel_loss(lambda: {**self.personalized_params(clients), **self.hnet(clients)}),
+        )
 
     def personalized_params(self, clients: Tensor) -> Params:
         with torch.no_grad():
