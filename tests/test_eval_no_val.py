@@ -98,3 +98,21 @@ def test_resume_without_validation_is_exact(tmp_path: Path) -> None:
     resumed = json.loads((run_dir(tmp_path / "resumed", config) / "results.json").read_text())
     assert [entry["round"] for entry in resumed["eval_history"]] == [0, 3, 6]
     assert resumed["test_last_evals"]["n"] == 3
+
+
+def test_mh_pfedhn_trains_without_validation_and_reports_the_best_test_over_rounds(
+    tmp_path: Path,
+) -> None:
+    """MH-pFedHN's paper configs have no validation split (the metric is the best pooled test
+    accuracy over rounds): its heterogeneous round, batch-norm recalibration and results work
+    without one."""
+    config = CONF / "mh_pfedhngd.yaml"
+    result = cli(
+        config, tmp_path, NO_VAL, "--trainer.max_steps=2", "--trainer.val_check_interval=1"
+    )
+    history = result["eval_history"]
+    assert [entry["round"] for entry in history] == [0, 1, 2]
+    best = max(history, key=lambda entry: entry["acc_weighted"])
+    assert result["test_max_over_evals"]["acc_weighted"] == best["acc_weighted"]
+    assert result["test_max_over_evals"]["round_acc_weighted"] == best["round"]
+    assert result["best_round"] is None and result["test_at_best_val"] is None
