@@ -21,7 +21,9 @@ from lightning_pfl.engine import (
 )
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import distillation_loss
-from lightning_pfl.methods.mh_pfedhn import HOLDS, MHPFedHN, MHPFedHNG, MHPFedHNGD
+from lightning_pfl.methods.mh_pfedhn import HOLDS, MHPFedHN
+from lightning_pfl.methods.mh_pfedhng import MHPFedHNG
+from lightning_pfl.methods.mh_pfedhngd import MHPFedHNGD
 from lightning_pfl.models import build_network
 from lightning_pfl.models.multihead_hypernetwork import (
     FlatCodec,

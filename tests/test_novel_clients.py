@@ -19,7 +19,8 @@ from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, PFedHN
 from lightning_pfl.methods.fedavg_ft import FedAvgFT
 from lightning_pfl.methods.fedper import FedPer
 from lightning_pfl.methods.lg_fedavg import LGFedAvg
-from lightning_pfl.methods.mh_pfedhn import MHPFedHN, MHPFedHNG
+from lightning_pfl.methods.mh_pfedhn import MHPFedHN
+from lightning_pfl.methods.mh_pfedhng import MHPFedHNG
 from lightning_pfl.methods.per_fedavg import PerFedAvg
 from lightning_pfl.novel import (
     gap_vs_distance_figure,
