@@ -86,7 +86,8 @@ def knn_probabilities(
     return (weights.unsqueeze(-1) * labels).sum(1)
 
 
-def interpolate_with_knn(logits: Tensor, knn_probs: Tensor, knn_weight: float) -> Tensor:
-    """Log-probabilities of lambda * p_kNN + (1 - lambda) * softmax(logits) (kNN-LM/kNN-Per)."""
+def interpolate_with_knn(logits: Tensor, knn_probs: Tensor, knn_weight: float | Tensor) -> Tensor:
+    """Log-probabilities of lambda * p_kNN + (1 - lambda) * softmax(logits) (kNN-LM/kNN-Per);
+    ``knn_weight`` lambda is a number or a tensor broadcasting against the probabilities."""
     mixed = knn_weight * knn_probs + (1 - knn_weight) * torch.softmax(logits.float(), -1)
     return mixed.clamp_min(1e-12).log()
