@@ -55,6 +55,7 @@ RECALIBRATION_STREAM = 13  # MH-pFedHN: batches that re-estimate batch-norm stat
 ORDER_STREAM = 14  # MH-pFedHN: the order of the server's per-client steps
 CALIBRATION_STREAM = 14  # CCVR: the virtual representations and their batch order
 ADAPT_STREAM = 101  # Per-FedAvg: the evaluation's adaptation batch, keyed by round
+LOAD_STREAM = 15  # PartialFed: the relaxed-Bernoulli noise of the per-layer load choice
 
 PER_METHOD = {
     "FedFomo": {"FOMO_STREAM": FOMO_STREAM},
@@ -68,6 +69,7 @@ PER_METHOD = {
     },
     "CCVR": {"CALIBRATION_STREAM": CALIBRATION_STREAM},
     "PerFedAvg": {"ADAPT_STREAM": ADAPT_STREAM},
+    "PartialFed": {"LOAD_STREAM": LOAD_STREAM},
 }
 KEPT_OVERLAPS = {
     frozenset({"NOVEL_ADAPTATION_STREAM", "ADAPT_STREAM"}),
