@@ -290,6 +290,7 @@ class PFLCLI(LightningCLI):
         assert isinstance(self.datamodule, FederatedDataModule)
         assert isinstance(self.model, FederatedMethod)
         self.datamodule.setup(stage)
+        self.model.check_data(self.datamodule)
         self.model.record.experiment = self.experiment
 
     def before_fit(self) -> None:

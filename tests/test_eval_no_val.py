@@ -92,6 +92,22 @@ def test_what_needs_validation_is_refused_before_any_folder(
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [("knn_per.yaml", r"knn_weight is null.*kNN-Per"), ("fedfomo.yaml", r"FedFomo weighs")],
+)
+def test_methods_reading_validation_refuse_data_without_it_before_any_folder(
+    tmp_path: Path, config: str, message: str
+) -> None:
+    """kNN-Per's per-client lambda and FedFomo's model weights are fitted on the validation
+    split: without one, the method refuses the data (``check_data``) before anything exists."""
+    args = ["fit", f"--config={CONF / config}", NO_VAL]
+    with pytest.raises(ConfigError, match=message) as refused:
+        run([*args, f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}"])
+    assert "data.init_args.val_fraction" in str(refused.value)
+    assert not (tmp_path / "logs").exists()
+
+
 def test_resume_without_validation_is_exact(tmp_path: Path) -> None:
     config = CONF / "fedtp.yaml"
     assert_resume_is_exact(config, tmp_path, NO_VAL, "--model.init_args.picture_clients=0")

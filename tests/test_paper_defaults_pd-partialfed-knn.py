@@ -66,9 +66,8 @@ def test_knn_per_chooses_each_clients_lambda_on_its_validation_split(
 
 def test_knn_per_refuses_a_tuned_lambda_without_a_validation_split() -> None:
     dm = digits_data(4, val_fraction=0.0)
-    method = build(KNNPer, dm)
     with pytest.raises(ConfigError, match="knn_weight.*val_fraction"):
-        method.personalized_params(torch.arange(2))
+        build(KNNPer, dm).check_data(dm)
     build(KNNPer, dm, knn_weight=0.5).personalized_params(torch.arange(2))  # a fixed lambda runs
 
 

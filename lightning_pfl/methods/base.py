@@ -491,10 +491,16 @@ class FederatedMethod(LightningModule, ABC):
         return self.server_optimizer
 
     def setup(self, stage: str) -> None:
-        # The CLI refuses it before anything is written; this catches a Trainer built in Python.
+        # The CLI refuses both before anything is written; this catches a Trainer built in Python.
         problem = precision_problem(self.trainer.precision)
         if problem is not None:
             raise ConfigError(f"trainer.precision = {self.trainer.precision!r}: {problem}.")
+        self.check_data(self.data)
+
+    def check_data(self, data: FederatedDataModule) -> None:
+        """Raise a ConfigError for split data this method cannot run on (e.g. no validation
+        split where it reads one). Called once the data is split, before the CLI writes
+        anything; the default accepts any."""
 
     def _place_state(self) -> None:
         self.store.to(self.device, offload=self.hp.offload_client_state)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import vmap
 
+from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.engine import Params, derive_seed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.local import Local
@@ -67,6 +68,14 @@ class FedFomo(Local):
         self.affinity: Tensor
         self.register_buffer("affinity", torch.zeros(n, n))
 
+    def check_data(self, data: FederatedDataModule) -> None:
+        if not data.has_validation:
+            raise ConfigError(
+                "FedFomo weighs models on the clients' validation split, but "
+                "data.init_args.val_fraction is 0 (no validation split): set "
+                "data.init_args.val_fraction > 0."
+            )
+
     def choose_models(self, round_idx: int, clients: Tensor) -> Tensor:
         """``[C, M]`` ids of the models each client downloads (never its own)."""
         h = self.hp
@@ -88,11 +97,6 @@ class FedFomo(Local):
     def validation_losses(self, clients: Tensor, models: list[Params]) -> Tensor:
         """``[C, len(models)]`` mean loss of each of ``models`` (stacked ``[C, ...]``) on the
         clients' validation split."""
-        if self.data.val_fraction <= 0:
-            raise ConfigError(
-                "FedFomo weighs models on the clients' validation split: set "
-                "data.init_args.val_fraction > 0."
-            )
         predict = vmap(self.arch)
         sums = torch.zeros(len(clients), len(models), device=self.device)
         count = torch.zeros(len(clients), 1, device=self.device)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
+from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.engine import Params
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import interpolate_with_knn, knn_probabilities
@@ -56,13 +57,9 @@ class KNNPer(FedAvg):
     ) -> None:
         super().__init__(**kwargs)
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        self.check_validation_split()
-
-    def check_validation_split(self) -> None:
+    def check_data(self, data: FederatedDataModule) -> None:
         """Refuse a per-client lambda when the clients have no validation split."""
-        if self.hp.knn_weight is None and not self.data.has_validation:
+        if self.hp.knn_weight is None and not data.has_validation:
             raise ConfigError(
                 "model.init_args.knn_weight is null: kNN-Per chooses each client's lambda on "
                 "its validation split, but data.init_args.val_fraction is 0 (no validation "
@@ -124,7 +121,6 @@ class KNNPer(FedAvg):
         if self.hp.knn_weight is not None:
             weight = torch.full((len(clients),), self.hp.knn_weight, device=self.device)
         else:
-            self.check_validation_split()
             weight = self.tuned_weights(clients, params)
         return params | {WEIGHT: weight}
 
