@@ -108,7 +108,7 @@ def test_fedphp_moving_average_and_mixing_on_hand_numbers() -> None:
 
 def test_fedphp_loss_on_a_hand_example() -> None:
     dm = digits_data(4)
-    method = build(FedPHP, dm, lam=0.2, temperature=2.0)
+    method = build(FedPHP, dm, lam=0.2, temperature=2.0, distillation="hinton")
     student_bias = [1.0, 0.0] + [-30.0] * 8
     teacher_bias = [0.0, 3.0] + [-30.0] * 8
     student = bias_only(method, student_bias)

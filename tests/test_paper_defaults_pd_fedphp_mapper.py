@@ -1,0 +1,99 @@
+"""FedPHP's knowledge transfer and MAPPER's gate and schedule: the reference defaults on hand
+examples, the other forms reachable, vectorized == client by client."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods import FedPHP
+from lightning_pfl.methods.fedphp import gaussian_mmd
+from tests.conftest import build, digits_data
+from tests.helpers import assert_vectorized_equals_sequential
+
+
+def bias_only(method: FedPHP, bias: list[float]) -> dict[str, torch.Tensor]:
+    """Parameters whose logits are ``bias`` for every input (all weights zero)."""
+    params = {n: torch.zeros_like(t) for n, t in method.arch.initial_params().items()}
+    params["fc2.bias"] = torch.tensor(bias)
+    return params
+
+
+def softmax(z: list[float]) -> list[float]:
+    e = [math.exp(v) for v in z]
+    return [v / sum(e) for v in e]
+
+
+# ----------------------------------------------------------------------------- FedPHP
+def test_fedphp_default_distillation_tempers_only_the_teacher() -> None:
+    dm = digits_data(4)
+    method = build(FedPHP, dm, lam=0.2, temperature=2.0)
+    assert method.hp.distillation == "tempered_teacher"
+    student_bias = [1.0, 0.0] + [-30.0] * 8
+    teacher_bias = [0.0, 3.0] + [-30.0] * 8
+    student = bias_only(method, student_bias)
+    frozen = {f"hpm.{n}": t for n, t in bias_only(method, teacher_bias).items()}
+    x, _ = dm.fetch(dm.index["train"].flat[:2])
+    y = torch.tensor([0, 0])
+    p_student = softmax(student_bias)
+    ce = -math.log(p_student[0])
+    # -sum_c softmax(v(x) / T)_c log softmax(w(x))_c: the student at T = 1, no T^2 factor
+    target = softmax([b / 2 for b in teacher_bias])
+    soft = -sum(q * math.log(p) for q, p in zip(target, p_student, strict=True))
+    expected = 0.8 * ce + 0.2 * soft
+    loss = float(method.php_loss(student, frozen, x, y, torch.ones(2)))
+    assert abs(loss - expected) < 1e-4
+    hinton = build(FedPHP, dm, lam=0.2, temperature=2.0, distillation="hinton")
+    assert abs(float(hinton.php_loss(student, frozen, x, y, torch.ones(2))) - expected) > 0.1
+
+
+def test_gaussian_mmd_on_hand_numbers_and_padding() -> None:
+    a = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    b = torch.tensor([[0.0, 2.0], [1.0, 1.0]])
+    joint = a.tolist() + b.tolist()
+    d = [[sum((u - v) ** 2 for u, v in zip(p, q, strict=True)) for q in joint] for p in joint]
+    s = sum(map(sum, d)) / (4 * 4 - 4)
+    k = [[sum(math.exp(-e / (s * 2.0 ** (i - 2))) for i in range(5)) for e in row] for row in d]
+    sign = [1, 1, -1, -1]
+    expected = sum(sign[i] * sign[j] * k[i][j] for i in range(4) for j in range(4)) / 4
+    torch.testing.assert_close(gaussian_mmd(a, b, torch.ones(2)), torch.tensor(expected))
+    # a padding sample (weight 0) takes no part, wherever it lies
+    padded = gaussian_mmd(
+        torch.cat([a, torch.tensor([[9.0, -9.0]])]),
+        torch.cat([b, torch.tensor([[5.0, 5.0]])]),
+        torch.tensor([1.0, 1.0, 0.0]),
+    )
+    torch.testing.assert_close(padded, torch.tensor(expected))
+    assert float(gaussian_mmd(a, a, torch.ones(2))) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_fedphp_mmd_transfers_the_hpm_features() -> None:
+    dm = digits_data(4)
+    method = build(FedPHP, dm, lam=0.3, distillation="mmd")
+    g = torch.Generator().manual_seed(0)
+    init = method.arch.initial_params()
+    student = {n: t + 0.2 * torch.randn(t.shape, generator=g) for n, t in init.items()}
+    frozen = {f"hpm.{n}": t for n, t in init.items()}
+    x, y = dm.fetch(dm.index["train"].flat[:6])
+    w = torch.tensor([1.0] * 5 + [0.0])
+    features = method.arch.features(student, x, train=True)
+    ce = torch.nn.functional.cross_entropy(method.arch(student, x)[:5], y[:5])
+    mmd = gaussian_mmd(features, method.arch.features(init, x), w)
+    loss = method.php_loss(student, frozen, x, y, w)
+    torch.testing.assert_close(loss, 0.7 * ce + 0.3 * mmd)
+    assert float(mmd) > 1e-4
+    same = {f"hpm.{n}": t for n, t in student.items()}
+    torch.testing.assert_close(method.php_loss(student, same, x, y, w), 0.7 * ce)
+
+
+def test_fedphp_mmd_refuses_batch_norm() -> None:
+    with pytest.raises(ConfigError, match="distillation: mmd"):
+        build(FedPHP, digits_data(4), distillation="mmd", net_args={"batch_norm": True})
+
+
+@pytest.mark.parametrize("distillation", ["tempered_teacher", "mmd"])
+def test_fedphp_vectorized_equals_sequential(distillation: str) -> None:
+    assert_vectorized_equals_sequential(FedPHP, distillation=distillation)
