@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from torch.func import grad
 
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedPHP
+from lightning_pfl.methods import MAPPER, FedPHP
 from lightning_pfl.methods.fedphp import gaussian_mmd
 from tests.conftest import build, digits_data
 from tests.helpers import assert_vectorized_equals_sequential
@@ -97,3 +98,60 @@ def test_fedphp_mmd_refuses_batch_norm() -> None:
 @pytest.mark.parametrize("distillation", ["tempered_teacher", "mmd"])
 def test_fedphp_vectorized_equals_sequential(distillation: str) -> None:
     assert_vectorized_equals_sequential(FedPHP, distillation=distillation)
+
+
+# ----------------------------------------------------------------------------- MAPPER gate
+def mapper_inputs(method: MAPPER, lam: float) -> tuple[dict[str, torch.Tensor], ...]:
+    g = torch.Generator().manual_seed(0)
+    init = method.arch.initial_params()
+    glob = {n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in init.items()}
+    params = {f"global.{n}": t for n, t in glob.items()} | {
+        f"local.{n}": t for n, t in init.items()
+    }
+    params["gate"] = torch.tensor(lam)
+    return params, {f"anchor.{n}": t for n, t in glob.items()}, glob, init
+
+
+@pytest.mark.parametrize("lam", [0.3, 0.0, 1.0])
+def test_mapper_default_gate_is_lambda_by_projected_sgd(lam: float) -> None:
+    dm = digits_data(4)
+    method = build(MAPPER, dm, gate_lr=0.05)
+    assert method.hp.gate == "projected"
+    params, received, glob, local = mapper_inputs(method, lam)
+    x, y = dm.fetch(dm.index["train"].flat[:8])
+    w = torch.tensor([1.0] * 6 + [0.0] * 2)  # two padding samples
+    autograd = grad(method.mapper_loss)(params, received, x, y, w)["gate"]
+    p_local = torch.softmax(method.arch(local, x), -1)[torch.arange(8), y]
+    p_global = torch.softmax(method.arch(glob, x), -1)[torch.arange(8), y]
+    mix = lam * p_local + (1 - lam) * p_global
+    # d/dlambda -log(lambda p_l + (1 - lambda) p_g) = -(p_l - p_g) / mix, finite at the ends
+    closed = (-(p_local - p_global) / mix * w).sum() / w.sum()
+    assert abs(float(closed)) > 1e-3
+    # one SGD step of size eta_lambda on this gradient lands on Proj_[0,1](lambda - eta g)
+    landed = min(max(lam - 0.05 * float(closed), 0.0), 1.0)
+    assert float(params["gate"] - 0.05 * autograd) == pytest.approx(landed, abs=1e-6)
+    if 0.0 < lam - 0.05 * float(closed) < 1.0:
+        torch.testing.assert_close(autograd, closed, rtol=1e-4, atol=1e-6)
+    # the prediction mixes the probabilities with lambda itself
+    predicted = method.predict(params | {f"global.{n}": t for n, t in glob.items()}, x).exp()
+    expected = lam * torch.softmax(method.arch(local, x), -1) + (1 - lam) * torch.softmax(
+        method.arch(glob, x), -1
+    )
+    torch.testing.assert_close(predicted, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_mapper_projected_gate_reaches_the_ends_and_stays_in_them() -> None:
+    dm = digits_data(4)
+    method = build(MAPPER, dm, clients_per_round=4, gate_lr=50.0)
+    method.run_round(0, torch.arange(4))
+    lam = method.mixture_weights()
+    assert torch.equal(lam, method.store.fields["gate"]["gate"])
+    assert bool(((lam >= 0) & (lam <= 1)).all())
+    assert bool(((lam == 0) | (lam == 1)).any())  # a sigmoid never reaches an end
+    sigmoid = build(MAPPER, dm, clients_per_round=4, gate_lr=50.0, gate="sigmoid")
+    sigmoid.run_round(0, torch.arange(4))
+    assert not torch.equal(sigmoid.mixture_weights(), sigmoid.store.fields["gate"]["gate"])
+
+
+def test_mapper_sigmoid_gate_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(MAPPER, gate="sigmoid", gate_lr=0.5)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from lightning_pfl.engine import (
     weighted_cross_entropy,
 )
 from lightning_pfl.losses import weighted_mean
+from lightning_pfl.methods.apfl import ProjectedStep
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedprox import ANCHOR, anchor
 from lightning_pfl.validation import PositiveFloat, UnitInterval
@@ -30,27 +31,49 @@ def mixture_log_probs(local_logits: Tensor, global_logits: Tensor, gate: Tensor)
     return torch.logaddexp(local, glob)
 
 
+def interpolated_log_probs(local_logits: Tensor, global_logits: Tensor, lam: Tensor) -> Tensor:
+    """``log(lambda p_local + (1 - lambda) p_global)`` for lambda in [0, 1], ends included.
+
+    Computed as ``m + log(lambda e^(log p_local - m) + (1 - lambda) e^(log p_global - m))``
+    with ``m`` the larger log-probability, so that the value and the gradient in lambda,
+    ``(p_local - p_global) / mixture``, stay finite at lambda = 0 and 1 (where
+    ``log lambda`` is not).
+    """
+    local = F.log_softmax(local_logits.float(), -1)
+    glob = F.log_softmax(global_logits.float(), -1)
+    top = torch.maximum(local, glob).detach()
+    lam = lam.float()
+    mixed = lam * (local - top).exp() + (1 - lam) * (glob - top).exp()
+    return top + mixed.clamp_min(torch.finfo(mixed.dtype).tiny).log()
+
+
 class MAPPER(FedAvg):
     """MAPPER (model interpolation): each client predicts with
     ``lambda_i h_local_i + (1 - lambda_i) h_global``, a mixture of the two models' class
     probabilities, and learns its own local model and mixture weight.
 
     The gate is the paper's one scalar lambda per client (no gating network on the input),
-    parameterized as ``lambda = sigmoid(a)`` so that it stays in [0, 1] (the paper projects
-    onto [0, 1]); a starts at 0 (lambda = 0.5). Round for a sampled client: it receives the
-    global model h_G and, at every local step on the same batch, trains a copy of h_G on its
-    cross-entropy (FedAvg) and its local model and a on the negative log-likelihood of the
-    mixture with the received h_G, which stays fixed for the round. The paper learns the local
-    model and lambda after FedAvg has trained the global model; here they are learned alongside
-    it, so that every round's evaluation is a MAPPER prediction. Mixing with the received h_G
+    trained by projected SGD: ``lambda <- Proj_[0,1](lambda - eta_lambda grad)`` after every
+    step (``gate: projected``, the paper's), or parameterized as ``lambda = sigmoid(a)`` with a
+    trained by SGD with the local momentum (``gate: sigmoid``). Round for a sampled client: it
+    receives the global model h_G and, at every local step on the same batch, trains a copy of
+    h_G on its cross-entropy (FedAvg) and its local model and lambda (or a) on the negative
+    log-likelihood of the mixture with the received h_G, which stays fixed for the round. The
+    paper learns the local model and lambda after FedAvg has trained the global model; here
+    they are learned alongside it, so that every round's evaluation is a MAPPER prediction.
+    Mixing with the received h_G
     (not the copy being trained, which fits the client's data within the round) keeps the
     training mixture the one evaluated: against the trained copy, lambda learns to trust a
-    global model that the client never predicts with. The local model and a stay on the
+    global model that the client never predicts with. The local model and lambda stay on the
     client; the trained copy of h_G is uploaded and averaged. The personalized model is the
     mixture.
 
     Args:
-        gate_lr: SGD learning rate of a (None: ``local_lr``); the gate has no weight decay.
+        gate: how lambda is trained: ``projected`` (the paper's): lambda itself, plain SGD (no
+            momentum, weight decay or clipping) projected onto [0, 1] after every step;
+            ``sigmoid``: ``lambda = sigmoid(a)``, a trained by SGD with the local momentum.
+        gate_lr: eta_lambda, the SGD learning rate of lambda (``projected``) or a
+            (``sigmoid``) (None: ``local_lr``); the gate has no weight decay.
         initial_lambda: lambda before training (0.5).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (both models use the local
             SGD settings; optimizers are fresh every round).
@@ -58,6 +81,7 @@ class MAPPER(FedAvg):
 
     def __init__(
         self,
+        gate: Literal["projected", "sigmoid"] = "projected",
         gate_lr: PositiveFloat | None = None,
         initial_lambda: UnitInterval = 0.5,
         **kwargs: Any,
@@ -65,8 +89,9 @@ class MAPPER(FedAvg):
         super().__init__(**kwargs)
         self.refuse_batch_norm("MAPPER trains two models jointly")
         self.store.add_field("local", self.arch.initial_params())
-        gate = torch.logit(torch.tensor(float(initial_lambda)).clamp(1e-6, 1 - 1e-6))
-        self.store.add_field("gate", {"gate": gate})
+        lam = torch.tensor(float(initial_lambda))
+        stored = lam if gate == "projected" else torch.logit(lam.clamp(1e-6, 1 - 1e-6))
+        self.store.add_field("gate", {"gate": stored})
         self.loss_fn = self.mapper_loss  # one object per run (recorded rounds are keyed by it)
 
     def mapper_loss(
@@ -78,7 +103,10 @@ class MAPPER(FedAvg):
         received = split_prefixed(frozen, ANCHOR.rstrip("."))[0]
         received_logits = self.arch(received, x, train=True)
         local_logits = self.arch(local, x, train=True)
-        mixed = mixture_log_probs(local_logits, received_logits, params["gate"])
+        gate = params["gate"]
+        if self.hp.gate == "projected":
+            gate = ProjectedStep.apply(gate, self.gate_lr)
+        mixed = self.mixture(local_logits, received_logits, gate)
         nll = weighted_mean(F.nll_loss(mixed, y, reduction="none"), w)
         return weighted_cross_entropy(global_logits, y, w) + nll
 
@@ -87,7 +115,8 @@ class MAPPER(FedAvg):
         local = self.store.gather("local", clients, self.device)
         gate = self.store.gather("gate", clients, self.device)
         params = prefixed("global", start) | prefixed("local", local) | gate
-        gate_sgd = SGDConfig(h.gate_lr or h.local_lr, h.local_momentum)
+        momentum = h.local_momentum if h.gate == "sigmoid" else 0.0
+        gate_sgd = SGDConfig(self.gate_lr, momentum)
         groups = [
             ParamGroup(tuple(prefixed("global", start)), self.local_sgd()),
             ParamGroup(tuple(prefixed("local", local)), self.local_sgd()),
@@ -97,7 +126,10 @@ class MAPPER(FedAvg):
         result = self.local_train(params, clients, round_idx, groups, self.loss_fn, received)
         glob, local = split_prefixed(result.params, "global", "local")
         self.store.scatter("local", clients, local)
-        self.store.scatter("gate", clients, {"gate": result.params["gate"]})
+        trained = result.params["gate"]
+        if h.gate == "projected":  # the last step lands on the projection up to rounding
+            trained = trained.clamp(0.0, 1.0)
+        self.store.scatter("gate", clients, {"gate": trained})
         return TrainResult(glob, {}, result.loss, result.steps)
 
     def personalized_params(self, clients: Tensor) -> Params:
@@ -108,10 +140,22 @@ class MAPPER(FedAvg):
             | self.store.gather("gate", clients, self.device)
         )
 
+    @property
+    def gate_lr(self) -> float:
+        """eta_lambda (``gate_lr``, else ``local_lr``)."""
+        return float(self.hp.gate_lr if self.hp.gate_lr is not None else self.hp.local_lr)
+
+    def mixture(self, local_logits: Tensor, global_logits: Tensor, gate: Tensor) -> Tensor:
+        """Log-probabilities of the mixture; ``gate`` is lambda or a (``sigmoid``)."""
+        if self.hp.gate == "projected":
+            return interpolated_log_probs(local_logits, global_logits, gate)
+        return mixture_log_probs(local_logits, global_logits, gate)
+
     def predict(self, params: Params, x: Tensor) -> Tensor:
         glob, local = split_prefixed(params, "global", "local")
-        return mixture_log_probs(self.arch(local, x), self.arch(glob, x), params["gate"])
+        return self.mixture(self.arch(local, x), self.arch(glob, x), params["gate"])
 
     def mixture_weights(self) -> Tensor:
         """lambda of every client."""
-        return torch.sigmoid(self.store.fields["gate"]["gate"])
+        gate = self.store.fields["gate"]["gate"]
+        return gate if self.hp.gate == "projected" else torch.sigmoid(gate)
