@@ -212,7 +212,7 @@ def test_hypcluster_vectorized_equals_sequential() -> None:
 # ----------------------------------------------------------------------------- MAPPER
 def test_mapper_gate_gradient_matches_the_closed_form() -> None:
     dm = digits_data(4)
-    method = build(MAPPER, dm, gate="sigmoid")
+    method = build(MAPPER, dm, gate="sigmoid", schedule="joint")
     g = torch.Generator().manual_seed(0)
     glob = {
         n: t + 0.1 * torch.randn(t.shape, generator=g)

@@ -13,7 +13,7 @@ from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import MAPPER, FedPHP
 from lightning_pfl.methods.fedphp import gaussian_mmd
 from tests.conftest import build, digits_data
-from tests.helpers import assert_vectorized_equals_sequential
+from tests.helpers import assert_vectorized_equals_sequential, capture_local_training
 
 
 def bias_only(method: FedPHP, bias: list[float]) -> dict[str, torch.Tensor]:
@@ -115,7 +115,7 @@ def mapper_inputs(method: MAPPER, lam: float) -> tuple[dict[str, torch.Tensor], 
 @pytest.mark.parametrize("lam", [0.3, 0.0, 1.0])
 def test_mapper_default_gate_is_lambda_by_projected_sgd(lam: float) -> None:
     dm = digits_data(4)
-    method = build(MAPPER, dm, gate_lr=0.05)
+    method = build(MAPPER, dm, gate_lr=0.05, schedule="joint")  # joint: predicts the mixture
     assert method.hp.gate == "projected"
     params, received, glob, local = mapper_inputs(method, lam)
     x, y = dm.fetch(dm.index["train"].flat[:8])
@@ -155,3 +155,56 @@ def test_mapper_projected_gate_reaches_the_ends_and_stays_in_them() -> None:
 
 def test_mapper_sigmoid_gate_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(MAPPER, gate="sigmoid", gate_lr=0.5)
+
+
+# ----------------------------------------------------------------------------- MAPPER schedule
+def test_mapper_default_fits_after_fedavg_against_the_final_global_model() -> None:
+    dm = digits_data(4)
+    method = build(MAPPER, dm, clients_per_round=2, fedavg_rounds=1)
+    assert method.hp.schedule == "after_fedavg"
+    trained = capture_local_training(method)
+    before = {f: {n: t.clone() for n, t in v.items()} for f, v in method.store.fields.items()}
+    method.run_round(0, torch.tensor([0, 2]))  # FedAvg: CE of the global model only
+    assert set(trained[0].params) == set(method.arch.shapes)
+    for field in ("local", "gate"):
+        for name, t in method.store.fields[field].items():
+            assert torch.equal(t, before[field][name]), (field, name)
+    with torch.no_grad():  # the server's SGD step (the base class's, after the round)
+        for p in method.net.parameters():
+            p -= p.grad
+            p.grad = None
+    final = {n: t.clone() for n, t in method.global_state().items()}
+    method.run_round(1, torch.tensor([1, 2]))  # fitting: local model and lambda, nothing up
+    assert set(trained[1].params) == {f"local.{n}" for n in method.arch.shapes} | {"gate"}
+    assert method._round_bytes[1] == 0.0
+    assert all(p.grad is None for p in method.net.parameters())
+    for name, t in method.global_state().items():
+        assert torch.equal(t, final[name]), name
+    lam = method.store.fields["gate"]["gate"]
+    assert lam[0] == 0.5 and lam[3] == 0.5 and lam[1] != 0.5 and lam[2] != 0.5
+    local = method.store.fields["local"]
+    assert all(torch.equal(t[0], before["local"][n][0]) for n, t in local.items())
+    assert any(not torch.equal(t[1], before["local"][n][1]) for n, t in local.items())
+
+
+def test_mapper_after_fedavg_evaluates_fedavg_until_the_fit_starts() -> None:
+    dm = digits_data(4)
+    method = build(MAPPER, dm, fedavg_rounds=2, initial_lambda=0.5)
+    clients = torch.arange(2)
+    params = method.personalized_params(clients)
+    x, _ = dm.fetch(dm.index["train"].flat[:4])
+    row = {n: t[0] for n, t in params.items()}
+    glob = {n[7:]: t for n, t in row.items() if n.startswith("global.")}
+    local = {n[6:]: t for n, t in row.items() if n.startswith("local.")}
+    for done, expect_mixture in ((2, False), (3, True)):
+        method.checkpoint_round = done  # rounds trained so far
+        p_global = torch.softmax(method.arch(glob, x), -1)
+        expected = p_global
+        if expect_mixture:
+            expected = 0.5 * torch.softmax(method.arch(local, x), -1) + 0.5 * p_global
+        torch.testing.assert_close(method.predict(row, x).exp(), expected)
+
+
+@pytest.mark.parametrize("schedule", ["after_fedavg", "joint"])
+def test_mapper_schedule_vectorized_equals_sequential(schedule: str) -> None:
+    assert_vectorized_equals_sequential(MAPPER, schedule=schedule, fedavg_rounds=1, gate_lr=0.5)
