@@ -4,6 +4,7 @@ examples, the other forms reachable, vectorized == client by client."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,12 @@ from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import MAPPER, FedPHP
 from lightning_pfl.methods.fedphp import gaussian_mmd
 from tests.conftest import build, digits_data
-from tests.helpers import assert_vectorized_equals_sequential, capture_local_training
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_vectorized_equals_sequential,
+    capture_local_training,
+)
 
 
 def bias_only(method: FedPHP, bias: list[float]) -> dict[str, torch.Tensor]:
@@ -208,3 +214,22 @@ def test_mapper_after_fedavg_evaluates_fedavg_until_the_fit_starts() -> None:
 @pytest.mark.parametrize("schedule", ["after_fedavg", "joint"])
 def test_mapper_schedule_vectorized_equals_sequential(schedule: str) -> None:
     assert_vectorized_equals_sequential(MAPPER, schedule=schedule, fedavg_rounds=1, gate_lr=0.5)
+
+
+def test_mapper_local_start_global_copies_the_final_fedavg_model() -> None:
+    dm = digits_data(4)
+    method = build(MAPPER, dm, local_start="global", fedavg_rounds=1)
+    method.run_round(0, torch.tensor([0, 1]))
+    with torch.no_grad():
+        for p in method.net.parameters():
+            p -= p.grad
+    method.start_local_models()
+    state = method.global_state()
+    for name, t in method.store.fields["local"].items():
+        assert torch.equal(t, state[name].expand_as(t)), name
+    with pytest.raises(ConfigError, match="local_start"):
+        build(MAPPER, dm, local_start="global", schedule="joint")
+
+
+def test_mapper_local_start_global_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "mapper.yaml", tmp_path, "--model.init_args.local_start=global")

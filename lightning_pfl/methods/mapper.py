@@ -17,6 +17,7 @@ from lightning_pfl.engine import (
     split_prefixed,
     weighted_cross_entropy,
 )
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.apfl import ProjectedStep
 from lightning_pfl.methods.fedavg import FedAvg
@@ -83,6 +84,9 @@ class MAPPER(FedAvg):
         gate_lr: eta_lambda, the SGD learning rate of lambda (``projected``) or a
             (``sigmoid``) (None: ``local_lr``); the gate has no weight decay.
         initial_lambda: lambda before training (0.5).
+        local_start: where the local models start: ``initial`` (the network's initialization)
+            or ``global`` (``after_fedavg`` only: every client's local model is set to the
+            final FedAvg model after round R; ours, not the paper's).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (both models use the local
             SGD settings; optimizers are fresh every round).
     """
@@ -94,10 +98,16 @@ class MAPPER(FedAvg):
         gate: Literal["projected", "sigmoid"] = "projected",
         gate_lr: PositiveFloat | None = None,
         initial_lambda: UnitInterval = 0.5,
+        local_start: Literal["initial", "global"] = "initial",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.refuse_batch_norm("MAPPER trains two models jointly")
+        if local_start == "global" and schedule != "after_fedavg":
+            raise ConfigError(
+                "model.init_args.local_start: global starts the local models from the final "
+                "FedAvg model, which needs schedule: after_fedavg; set one of them back."
+            )
         self.store.add_field("local", self.arch.initial_params())
         lam = torch.tensor(float(initial_lambda))
         stored = lam if gate == "projected" else torch.logit(lam.clamp(1e-6, 1 - 1e-6))
@@ -115,6 +125,18 @@ class MAPPER(FedAvg):
         if h.fedavg_rounds is not None:
             return int(h.fedavg_rounds)
         return int(self.trainer.max_steps) // 2 if self._trainer is not None else 0
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        if self.hp.local_start == "global" and self.global_step == self.fedavg_rounds:
+            self.start_local_models()
+
+    def start_local_models(self) -> None:
+        """Every client's local model becomes the final FedAvg model (``local_start: global``)."""
+        state = self.global_state()
+        clients = torch.arange(self.hp.num_clients)
+        local = {n: state[n].expand(len(clients), *state[n].shape) for n in self.arch.shapes}
+        self.store.scatter("local", clients, local)
 
     def mixture_loss(
         self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
