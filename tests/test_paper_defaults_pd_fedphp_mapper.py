@@ -13,7 +13,7 @@ from torch.func import grad
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import MAPPER, FedPHP
 from lightning_pfl.methods.fedphp import gaussian_mmd
-from tests.conftest import build, digits_data
+from tests.conftest import build, digits_data, fit
 from tests.helpers import (
     CONF,
     assert_resume_is_exact,
@@ -218,7 +218,8 @@ def test_mapper_schedule_vectorized_equals_sequential(schedule: str) -> None:
 
 def test_mapper_local_start_global_copies_the_final_fedavg_model() -> None:
     dm = digits_data(4)
-    method = build(MAPPER, dm, local_start="global", fedavg_rounds=1)
+    method = build(MAPPER, dm, fedavg_rounds=1)
+    assert method.hp.local_start == "global"
     method.run_round(0, torch.tensor([0, 1]))
     with torch.no_grad():
         for p in method.net.parameters():
@@ -227,9 +228,21 @@ def test_mapper_local_start_global_copies_the_final_fedavg_model() -> None:
     state = method.global_state()
     for name, t in method.store.fields["local"].items():
         assert torch.equal(t, state[name].expand_as(t)), name
-    with pytest.raises(ConfigError, match="local_start"):
-        build(MAPPER, dm, local_start="global", schedule="joint")
 
 
-def test_mapper_local_start_global_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "mapper.yaml", tmp_path, "--model.init_args.local_start=global")
+def test_mapper_local_start_initial_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "mapper.yaml", tmp_path, "--model.init_args.local_start=initial")
+
+
+@pytest.mark.parametrize("local_start", ["global", "initial"])
+def test_mapper_local_models_start_from_the_final_fedavg_model(local_start: str) -> None:
+    dm = digits_data(6)
+    method = build(MAPPER, dm, fedavg_rounds=2, clients_per_round=2, local_start=local_start)
+    initial = method.arch.initial_params()
+    fit(method, dm, rounds=3)  # rounds 0-1 FedAvg, round 2 fits its 2 clients
+    final = method.global_state()
+    fitted = set(method.sample_clients(2).tolist())
+    for c in set(range(6)) - fitted:  # not sampled since: still the starting point
+        start = final if local_start == "global" else initial
+        for name, t in method.store.fields["local"].items():
+            assert torch.equal(t[c], start[name]), (c, name)

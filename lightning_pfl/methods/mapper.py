@@ -17,7 +17,6 @@ from lightning_pfl.engine import (
     split_prefixed,
     weighted_cross_entropy,
 )
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.apfl import ProjectedStep
 from lightning_pfl.methods.fedavg import FedAvg
@@ -56,8 +55,9 @@ class MAPPER(FedAvg):
 
     ``schedule: after_fedavg`` (the paper's order): the first R rounds (``fedavg_rounds``) are
     FedAvg and train the global model h_G; from round R on h_G is final: the server no longer
-    changes it, and each sampled client receives it and fits its local model and lambda on the
-    negative log-likelihood of the mixture with h_G, uploading nothing. Evaluations up to round
+    changes it, every client's local model starts from it (``local_start: global``, ours), and
+    each sampled client receives it and fits its local model and lambda on the negative
+    log-likelihood of the mixture with h_G, uploading nothing. Evaluations up to round
     R report the FedAvg model (nothing is fitted yet), later ones the mixture.
     ``schedule: joint``: every round, at every local step on the same batch, a client trains a
     copy of the received h_G on its cross-entropy (FedAvg) and its local model and lambda on the
@@ -69,8 +69,8 @@ class MAPPER(FedAvg):
     The gate is the paper's one scalar lambda per client (no gating network on the input),
     trained by projected SGD: ``lambda <- Proj_[0,1](lambda - eta_lambda grad)`` after every
     step (``gate: projected``, the paper's), or parameterized as ``lambda = sigmoid(a)`` with a
-    trained by SGD with the local momentum (``gate: sigmoid``). The local model (from the
-    initial model) and lambda never leave the client.
+    trained by SGD with the local momentum (``gate: sigmoid``). The local model and lambda
+    never leave the client.
 
     Args:
         schedule: ``after_fedavg`` (the paper's: FedAvg first, then the local models and lambdas
@@ -84,9 +84,13 @@ class MAPPER(FedAvg):
         gate_lr: eta_lambda, the SGD learning rate of lambda (``projected``) or a
             (``sigmoid``) (None: ``local_lr``); the gate has no weight decay.
         initial_lambda: lambda before training (0.5).
-        local_start: where the local models start: ``initial`` (the network's initialization)
-            or ``global`` (``after_fedavg`` only: every client's local model is set to the
-            final FedAvg model after round R; ours, not the paper's).
+        local_start: where the local models start: ``global``, the global model when their
+            fit starts (``after_fedavg``: every client's local model is set to the final FedAvg
+            model after round R; ours, the paper's choice was not reachable; ``joint``: the
+            initialization, the round-0 global model) or ``initial`` (the network's initialization;
+            with ``after_fedavg`` a random local model loses to the FedAvg model, lambda
+            reaches 0 in the first fitting round and the local model then gets no gradient:
+            benchmarks/results/digits_mapper_local_start/).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (both models use the local
             SGD settings; optimizers are fresh every round).
     """
@@ -98,16 +102,11 @@ class MAPPER(FedAvg):
         gate: Literal["projected", "sigmoid"] = "projected",
         gate_lr: PositiveFloat | None = None,
         initial_lambda: UnitInterval = 0.5,
-        local_start: Literal["initial", "global"] = "initial",
+        local_start: Literal["global", "initial"] = "global",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.refuse_batch_norm("MAPPER trains two models jointly")
-        if local_start == "global" and schedule != "after_fedavg":
-            raise ConfigError(
-                "model.init_args.local_start: global starts the local models from the final "
-                "FedAvg model, which needs schedule: after_fedavg; set one of them back."
-            )
         self.store.add_field("local", self.arch.initial_params())
         lam = torch.tensor(float(initial_lambda))
         stored = lam if gate == "projected" else torch.logit(lam.clamp(1e-6, 1 - 1e-6))
