@@ -182,7 +182,7 @@ def test_mapper_default_fits_after_fedavg_against_the_final_global_model() -> No
     final = {n: t.clone() for n, t in method.global_state().items()}
     method.run_round(1, torch.tensor([1, 2]))  # fitting: local model and lambda, nothing up
     assert set(trained[1].params) == {f"local.{n}" for n in method.arch.shapes} | {"gate"}
-    assert method._round_bytes[1] == 0.0
+    assert method.record.round_bytes[1] == 0.0
     assert all(p.grad is None for p in method.net.parameters())
     for name, t in method.global_state().items():
         assert torch.equal(t, final[name]), name
@@ -203,7 +203,7 @@ def test_mapper_after_fedavg_evaluates_fedavg_until_the_fit_starts() -> None:
     glob = {n[7:]: t for n, t in row.items() if n.startswith("global.")}
     local = {n[6:]: t for n, t in row.items() if n.startswith("local.")}
     for done, expect_mixture in ((2, False), (3, True)):
-        method.checkpoint_round = done  # rounds trained so far
+        method.record.checkpoint_round = done  # rounds trained so far
         p_global = torch.softmax(method.arch(glob, x), -1)
         expected = p_global
         if expect_mixture:
