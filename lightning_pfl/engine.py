@@ -287,21 +287,66 @@ def cross_entropy_loss(arch: Architecture) -> LossFn:
     return loss
 
 
+SGD_FIELDS = ("lr", "momentum", "weight_decay", "max_grad_norm")
+
+
+def sgd_rates(groups: Sequence[ParamGroup], num_clients: int, device: torch.device) -> Params:
+    """The groups' SGD values as per-client tensors ``[C]`` (``"<group index>.<field>"``; no
+    entry for a clip that is off), for clients trained together under different settings
+    (:func:`train_clients`'s ``rates``)."""
+    rates = {}
+    for i, group in enumerate(groups):
+        for name in SGD_FIELDS:
+            value = getattr(group.sgd, name)
+            if value is not None:
+                rates[f"{i}.{name}"] = torch.full((num_clients,), float(value), device=device)
+    return rates
+
+
+def _client_groups(groups: Sequence[ParamGroup], rates: Params) -> tuple[ParamGroup, ...]:
+    """One client's groups with its own SGD values (``rates`` of that client, 0-dim)."""
+    if not rates:
+        return tuple(groups)
+    return tuple(
+        ParamGroup(
+            group.names,
+            SGDConfig(
+                **{
+                    name: float(rates[f"{i}.{name}"])
+                    for name in SGD_FIELDS
+                    if f"{i}.{name}" in rates
+                }
+            ),
+        )
+        for i, group in enumerate(groups)
+    )
+
+
 def _sgd_step(
-    params: Params, grads: Params, momentum: Params, groups: Sequence[ParamGroup]
+    params: Params,
+    grads: Params,
+    momentum: Params,
+    groups: Sequence[ParamGroup],
+    rates: Params | None = None,
 ) -> tuple[Params, Params]:
+    """One SGD step of every group; ``rates`` (this client's, 0-dim): its values instead of the
+    groups' numbers (the same arithmetic in the parameters' dtype)."""
     new_params, new_momentum = {}, {}
-    for group in groups:
+    for i, group in enumerate(groups):
         cfg = group.sgd
+        lr, momentum_factor, weight_decay, max_grad_norm = (
+            rates.get(f"{i}.{name}", getattr(cfg, name)) if rates else getattr(cfg, name)
+            for name in SGD_FIELDS
+        )
         scale: Tensor | float = 1.0
-        if cfg.max_grad_norm is not None:
+        if max_grad_norm is not None:
             norm = torch.sqrt(sum((grads[n].float() ** 2).sum() for n in group.names))  # type: ignore[arg-type]
-            scale = torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0)
+            scale = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
         for n in group.names:
-            d = grads[n] * scale + cfg.weight_decay * params[n]
-            buf = cfg.momentum * momentum[n] + d
+            d = grads[n] * scale + weight_decay * params[n]
+            buf = momentum_factor * momentum[n] + d
             new_momentum[n] = buf
-            new_params[n] = params[n] - cfg.lr * buf
+            new_params[n] = params[n] - lr * buf
     return new_params, new_momentum
 
 
@@ -344,6 +389,7 @@ def train_clients(
     graphs: RoundGraphs | None = None,
     fetch_key: Hashable = None,
     threads: int = 1,
+    rates: Params | None = None,
 ) -> TrainResult:
     """Run local SGD for every client of the round.
 
@@ -370,9 +416,13 @@ def train_clients(
         threads: with ``vectorize=False`` on a CPU, train this many clients at once, each
             client's whole local training in one worker thread with one intra-op thread and
             channels-last images (see :func:`_threaded_rounds`); 1 is the sequential loop.
+        rates: per-client SGD values ``[C]`` replacing the groups' numbers (:func:`sgd_rates`;
+            the groups then only say which tensors train together and whether they are
+            clipped): clients of runs that differ only by their SGD settings train as one.
     """
     frozen = frozen or {}
     state = state or {}
+    rates = rates or {}
     momentum = (
         momentum if momentum is not None else {n: torch.zeros_like(p) for n, p in params.items()}
     )
@@ -388,6 +438,7 @@ def train_clients(
         m: Params,
         st: Params,
         fr: Params,
+        r: Params,
         x: Tensor,
         y: Tensor,
         w: Tensor,
@@ -395,14 +446,21 @@ def train_clients(
     ) -> tuple[Params, Params, Params, Tensor]:
         grads, out = value_and_grad(p, {**fr, **st}, x, y, w)
         loss, new_st = out if state else (out, {})
-        new_p, new_m = _sgd_step(p, grads, m, groups)
+        new_p, new_m = _sgd_step(p, grads, m, groups, r)
         keep = {n: torch.where(active, new_p[n], p[n]) for n in p}
         keep_m = {n: torch.where(active, new_m[n], m[n]) for n in m}
         keep_st = {n: torch.where(active, new_st[n].detach(), st[n]) for n in st}
         return keep, keep_m, keep_st, loss.detach()
 
     def taken_step(
-        p: Params, m: Params, st: Params, fr: Params, x: Tensor, y: Tensor, w: Tensor
+        p: Params,
+        m: Params,
+        st: Params,
+        fr: Params,
+        client_groups: Sequence[ParamGroup],
+        x: Tensor,
+        y: Tensor,
+        w: Tensor,
     ) -> tuple[Params, Params, Params, Tensor]:
         """``step`` of a client that takes it (no masks), differentiated by PyTorch's autograd,
         which costs less Python per call than ``torch.func`` (worker threads share the
@@ -423,7 +481,7 @@ def train_clients(
                 )
             grads = dict(zip(leaves, differentiated, strict=True))
         loss, new_st = out if state else (out, {})
-        new_p, new_m = _foreach_sgd_step(p, grads, m, groups)
+        new_p, new_m = _foreach_sgd_step(p, grads, m, client_groups)
         return new_p, new_m, {n: t.detach() for n, t in new_st.items()}, loss.detach()
 
     batched_step = vmap(step, randomness="different") if vectorize else None
@@ -438,21 +496,22 @@ def train_clients(
         momentum: Params,
         state: Params,
         frozen: Params,
+        rates: Params,
         index: Tensor,
         weight: Tensor,
         active: Tensor,
     ) -> tuple[Params, Params, Params, Tensor]:
         """Every local step of every client: a pure function of its tensors (recordable)."""
         if batched_step is None and threads > 1:
-            args = (params, momentum, state, frozen, index, weight, active)
-            return _threaded_rounds(taken_step, fetch, threads, *args)
+            args = (params, momentum, state, frozen, rates, index, weight, active)
+            return _threaded_rounds(taken_step, groups, fetch, threads, *args)
         num_clients, num_steps = active.shape
         loss_sum = torch.zeros(num_clients, device=weight.device)
         for s in range(num_steps):
             x, y = fetch(index[:, s])
             if batched_step is not None:
                 params, momentum, state, loss = batched_step(
-                    params, momentum, state, frozen, x, y, weight[:, s], active[:, s]
+                    params, momentum, state, frozen, rates, x, y, weight[:, s], active[:, s]
                 )
             else:
                 outs = [
@@ -461,6 +520,7 @@ def train_clients(
                         _row(momentum, c),
                         _row(state, c),
                         _row(frozen, c),
+                        _row(rates, c),
                         x[c],
                         y[c],
                         weight[c, s],
@@ -475,7 +535,16 @@ def train_clients(
             loss_sum = loss_sum + loss.float() * active[:, s]
         return params, momentum, state, loss_sum
 
-    inputs = (params, momentum, state, frozen, batches.index, batches.weight, batches.active)
+    inputs = (
+        params,
+        momentum,
+        state,
+        frozen,
+        rates,
+        batches.index,
+        batches.weight,
+        batches.active,
+    )
     if graphs is None:
         params, momentum, state, loss_sum = rounds(*inputs)
     else:
@@ -563,12 +632,14 @@ def predict_clients(
 
 def _threaded_rounds(
     step: Callable[..., tuple[Params, Params, Params, Tensor]],
+    groups: Sequence[ParamGroup],
     fetch: Callable[[Tensor], tuple[Tensor, Tensor]],
     threads: int,
     params: Params,
     momentum: Params,
     state: Params,
     frozen: Params,
+    rates: Params,
     index: Tensor,
     weight: Tensor,
     active: Tensor,
@@ -582,10 +653,11 @@ def _threaded_rounds(
 
     def train_one(c: int) -> tuple[Params, Params, Params, Tensor]:
         p, m, st, fr = _row(params, c), _row(momentum, c), _row(state, c), _row(frozen, c)
+        client_groups = _client_groups(groups, _row(rates, c))
         loss_sum = torch.zeros((), device=weight.device)
         for s in taken[c].nonzero().flatten().tolist():
             x, y = fetch(index[c, s])
-            p, m, st, loss = step(p, m, st, fr, _channels_last(x), y, weight[c, s])
+            p, m, st, loss = step(p, m, st, fr, client_groups, _channels_last(x), y, weight[c, s])
             loss_sum = loss_sum + loss.float()
         return p, m, st, loss_sum
 

@@ -61,6 +61,8 @@ class TrainJob:
             counts, a received global model).
         momentum: initial momentum buffers (None: a fresh optimizer).
         state: per-client buffers the loss updates without gradients (batch-norm statistics).
+        rates: per-client SGD values replacing the groups' numbers (``engine.sgd_rates``; empty:
+            the groups' own), for the clients of runs that differ only by SGD settings.
     """
 
     loss_fn: LossFn
@@ -71,6 +73,7 @@ class TrainJob:
     context: Params = field(default_factory=dict)
     momentum: Params | None = None
     state: Params = field(default_factory=dict)
+    rates: Params = field(default_factory=dict)
 
     @property
     def num_clients(self) -> int:
@@ -209,6 +212,7 @@ class Executor:
             self.graphs,
             self.fetch_key,
             threads,
+            job.rates,
         )
 
 
@@ -260,6 +264,7 @@ class ShardedExecutor(Executor):
                 take(job.context),
                 take(job.momentum) if job.momentum is not None else None,
                 take(job.state),
+                take(job.rates),
             )
         )
 

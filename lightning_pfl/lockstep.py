@@ -4,8 +4,10 @@
 time; a run hands over the turn where its method calls local training
 (:class:`LockstepExecutor`). When every unfinished run has handed in its :class:`TrainJob`, the
 jobs that are the same computation on different tensors (:func:`signature` of the loss, the
-architecture, SGD settings, path; data that differs only by its split, :class:`SharedFetch`)
-are concatenated along the client axis and trained as one, and each run gets its rows back.
+architecture, which tensors train together, path; data that differs only by its split,
+:class:`SharedFetch`) are concatenated along the client axis and trained as one, and each run
+gets its rows back. Runs that differ by their SGD numbers (a learning-rate grid) share too:
+each client then steps with its own run's values (``engine.sgd_rates``), the same arithmetic.
 Only one run executes at a time and each run's random-number state is swapped in with its
 turn, so a run computes what it computes alone; on the vmap and threaded paths its clients are
 trained in a larger batch, which changes float rounding only.
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import Architecture, ClientBatches, Params, TrainResult
+from lightning_pfl.engine import Architecture, ClientBatches, Params, TrainResult, sgd_rates
 from lightning_pfl.execution import Executor, TrainJob
 
 if TYPE_CHECKING:
@@ -257,7 +259,8 @@ class Lockstep:
         return (
             loss,
             signature(job.arch),
-            job.groups,
+            tuple((g.names, g.sgd.max_grad_norm is None) for g in job.groups),
+            _tensor_key(job.rates),
             _tensor_key(job.params),
             _tensor_key(job.context),
             _tensor_key(job.state),
@@ -312,6 +315,10 @@ class Lockstep:
         momentum = None
         if jobs[0].momentum is not None:
             momentum = cat([j.momentum for j in jobs if j.momentum is not None])
+        rates = cat([j.rates for j in jobs])
+        if not rates and any(j.groups != jobs[0].groups for j in jobs):
+            device = jobs[0].batches.active.device
+            rates = cat([sgd_rates(j.groups, j.num_clients, device) for j in jobs])
         combined = TrainJob(
             jobs[0].loss_fn,
             cat([j.params for j in jobs]),
@@ -325,6 +332,7 @@ class Lockstep:
             cat([j.context for j in jobs]),
             momentum,
             cat([j.state for j in jobs]),
+            rates,
         )
         result = executor.train(combined)
         start = 0

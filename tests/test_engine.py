@@ -10,6 +10,7 @@ from lightning_pfl.engine import (
     ParamGroup,
     SGDConfig,
     cross_entropy_loss,
+    sgd_rates,
     train_clients,
 )
 from lightning_pfl.models import DigitsCNN
@@ -84,6 +85,60 @@ def test_vectorized_equals_sequential_with_padding_and_idle_steps() -> None:
         torch.testing.assert_close(fast.momentum[name], slow.momentum[name], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fast.loss, slow.loss)
     assert torch.equal(fast.steps, batches.active.sum(1))
+
+
+@pytest.mark.parametrize(("vectorize", "threads"), [(False, 1), (False, 2), (True, 1)])
+def test_per_client_sgd_rates_train_each_client_with_its_own_settings(
+    vectorize: bool, threads: int
+) -> None:
+    """Clients trained together with ``rates`` (a learning-rate grid's runs in one job) end
+    where each set trained alone with its own numbers does: bit for bit one by one and in
+    threads (the same arithmetic), within float rounding under vmap."""
+    x, y = make_data()
+    torch.manual_seed(0)
+    arch = Architecture(DigitsCNN())
+    init = arch.initial_params()
+    params = {
+        n: p.unsqueeze(0).repeat(4, *([1] * p.dim())) + 0.01 * torch.randn(4, *p.shape)
+        for n, p in init.items()
+    }
+    batches = random_batches(4, 5, 12, len(y))
+    names = tuple(params)
+    split = (names[:2], names[2:])  # two groups: the first layer and the rest
+    settings = [
+        (SGDConfig(0.05, 0.9, 1e-4, 1.0), SGDConfig(0.01)),
+        (SGDConfig(0.2, 0.5, 0.0, 0.3), SGDConfig(0.1, 0.9, 1e-3)),
+    ]
+    runs = [[ParamGroup(n, cfg) for n, cfg in zip(split, pair, strict=True)] for pair in settings]
+
+    def train(rows: slice, groups: list[ParamGroup], rates: dict[str, torch.Tensor] | None):  # type: ignore[no-untyped-def]
+        return train_clients(
+            cross_entropy_loss(arch),
+            {n: t[rows] for n, t in params.items()},
+            groups,
+            ClientBatches(batches.index[rows], batches.weight[rows], batches.active[rows]),
+            lambda i: (x[i], y[i]),
+            vectorize=vectorize,
+            threads=threads,
+            rates=rates,
+        )
+
+    rates = {
+        n: torch.cat([sgd_rates(runs[0], 2, x.device)[n], sgd_rates(runs[1], 2, x.device)[n]])
+        for n in sgd_rates(runs[0], 2, x.device)
+    }
+    together = train(slice(0, 4), runs[0], rates)
+    for rows, groups in ((slice(0, 2), runs[0]), (slice(2, 4), runs[1])):
+        alone = train(rows, groups, None)
+        for name in params:
+            if vectorize:
+                torch.testing.assert_close(together.params[name][rows], alone.params[name])
+            else:
+                assert torch.equal(together.params[name][rows], alone.params[name]), name
+                assert torch.equal(together.momentum[name][rows], alone.momentum[name]), name
+    # the two settings really differ: the same clients trained with the first one move elsewhere
+    other = train(slice(2, 4), runs[0], None)
+    assert not torch.allclose(other.params[names[0]], together.params[names[0]][2:])
 
 
 def test_inactive_steps_leave_a_client_untouched() -> None:

@@ -253,7 +253,9 @@ def test_a_job_writes_each_runs_folder_as_alone_and_a_summary(tmp_path: Path) ->
             '--runs.grid={"model.init_args.local_lr": [0.01, 0.1]}',
         ]
     ).job
-    assert job is not None and job.lockstep.groups_trained < job.lockstep.submissions
+    # the four runs (two seeds x two learning rates) train every round as one computation
+    assert job is not None and 4 * job.lockstep.groups_trained == job.lockstep.submissions
+    assert not job.lockstep.apart_reasons
     folder = tmp_path / "job" / "conf" / "fedavg"
     summary = json.loads((folder / "job.json").read_text())
     assert summary["runs"] == [s.label for s in job.specs]

@@ -171,7 +171,7 @@ def test_auto_path_trains_as_the_reference(monkeypatch: pytest.MonkeyPatch) -> N
     original = execution.train_clients
 
     def spy(*args: Any) -> TrainResult:
-        calls.append(args[-1])
+        calls.append(args[12])  # threads
         return original(*args)
 
     monkeypatch.setattr(execution, "train_clients", spy)
