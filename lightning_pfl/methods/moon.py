@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +17,14 @@ from lightning_pfl.engine import (
     split_prefixed,
     weighted_cross_entropy,
 )
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat, PositiveInt
 
 PROJ = "projection."
 OUT = "output."
+ClassifierInput = Literal["projection", "features"]
 
 
 def model_contrastive_loss(
@@ -73,9 +75,15 @@ class MOON(FedAvg):
         mu: NonNegativeFloat = 1.0,
         temperature: PositiveFloat = 0.5,
         projection_dim: PositiveInt = 256,
-        classifier_input: Literal["projection", "features"] = "projection",
+        classifier_input: ClassifierInput = "projection",
         **kwargs: Any,
     ) -> None:
+        if classifier_input not in get_args(ClassifierInput):
+            raise ConfigError(
+                f"model.init_args.classifier_input = {classifier_input!r}: use projection (the "
+                "paper's output layer on the projection head) or features (the network's "
+                "classifier)."
+            )
         super().__init__(**kwargs)
         self.refuse_batch_norm("MOON reads representations")
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))
