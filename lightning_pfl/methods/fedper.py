@@ -29,8 +29,8 @@ class FedPer(FedAvg):
     Args:
         personal_layers: K_P, the number of personalization layers, at most the network's
             layers with weights minus one (the base must keep a layer). Default 2: the
-            paper's CIFAR-10 setting, the closest to ours (a small CNN on 2 classes per client;
-            our digits and FashionMNIST benchmarks), keeps the last two layers of MobileNet-v1
+            paper's CIFAR-10 experiments (a CNN on clients with a few classes each, the closest
+            to our digits and FashionMNIST benchmarks) keep the last two layers of MobileNet-v1
             and of ResNet-34 (their final block and the classifier), and its FLICKR-AES
             experiments also keep two; Figure 4 varies K_P over 1-4. Source: the Flower
             baseline that reproduces Figures 2, 4, 7 and 8 (``adap/flower``,
