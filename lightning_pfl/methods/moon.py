@@ -65,7 +65,9 @@ class MOON(FedAvg):
         classifier_input: what the classifier reads. ``projection`` (the paper's network and
             the authors' code): a new output layer Linear(``projection_dim``, classes) reads z.
             ``features``: the network's own classifier reads the representation and the
-            projection head only feeds l_con (the evaluated model is the network alone).
+            projection head only feeds l_con (the evaluated model is the network alone); the
+            digits benchmark uses it (the paper's composition collapsed there at its local lr
+            0.05: docs/methods.md, MOON).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: SGD lr 0.01,
             momentum 0.9, weight decay 1e-5, batch 64, 10 local epochs).
     """
