@@ -72,7 +72,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "fedmgda_plus": ("Hu et al., IEEE TNSE 2022", "nothing"),
     "fedpac": ("Xu, Tong & Huang, ICLR 2023", "the classifier head (server-combined)"),
     "fednova": ("Wang et al., NeurIPS 2020", "nothing"),
-    "fedper": ("Arivazhagan et al., 2019", "the classifier head"),
+    "fedper": ("Arivazhagan et al., 2019", "the top K_P = 2 layers (fc1 and the classifier)"),
     "fedphp": ("Li et al., ECML-PKDD 2021", "a history model (moving average)"),
     "fedproto": ("Tan et al., AAAI 2022", "the whole model (only prototypes shared)"),
     "fedprox": ("Li et al., MLSys 2020", "nothing"),

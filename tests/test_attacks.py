@@ -65,7 +65,7 @@ def test_bad_attack_settings_are_refused() -> None:
     with pytest.raises(ConfigError, match="iterations"):
         GradientInversion(iterations=0)
     dm = digits_data(6)
-    method = build(FedPer, dm, net="mlp")  # keeps the classifier: no label to read
+    method = build(FedPer, dm, net="mlp", personal_layers=1)  # keeps the classifier: no label
     with pytest.raises(ConfigError, match="dlg"):
         GradientInversion().setup(None, method, "fit")  # type: ignore[arg-type]
     private_hn = build(PFedHN, dm, n_hidden=1, hidden_dim=8, client_dp=ClientDP())

@@ -155,7 +155,7 @@ def test_ditto_trains_the_global_model_as_fedavg_and_keeps_personal_models() -> 
 # ----------------------------------------------------------------------------- FedPer
 def test_fedper_averages_the_body_and_never_the_head() -> None:
     dm = digits_data(6)
-    method = build(FedPer, dm, clients_per_round=3)
+    method = build(FedPer, dm, clients_per_round=3, personal_layers=1)
     head = method.arch.head_names
     assert head == ("fc2.weight", "fc2.bias")
     initial = method.arch.initial_params()

@@ -293,7 +293,7 @@ def test_methods_table_has_a_row_per_digits_result_with_bytes_per_sampled_client
         assert cells[5] == str(row["rounds"])
         assert cells[6] == f"{round(row['comm_bytes_total'] / (row['rounds'] * clients)):,}"
     assert rows["fedavg"][4:7] == ["5", "150", "109,648"]
-    assert rows["fedper"][3] == "the classifier head"
+    assert rows["fedper"][3] == "the top K_P = 2 layers (fc1 and the classifier)"
     # the formula on a hand-made row: 3,000 bytes over 2 rounds of 3 clients
     row = {"class": "X", "rounds": 2, "comm_bytes_total": 3000.0}
     line = methods_table.table_row("x", row, 3, "t", ("P", "head"))

@@ -348,6 +348,8 @@ BASELINES = [FedAvg, FedPer, LGFedAvg, PerFedAvg, Local]
 def baseline(cls: type[FederatedMethod]) -> FederatedMethod:
     """10 digits clients, the last 2 novel, a small MLP."""
     extra = {"alpha": 0.05} if cls is PerFedAvg else {}
+    if cls is FedPer:  # the MLP has two layers: K_P = 1 leaves one to share
+        extra = {"personal_layers": 1}
     return build(
         cls,
         digits_data(10),

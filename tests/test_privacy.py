@@ -203,7 +203,7 @@ def test_no_noise_and_no_clip_is_the_run_without_dp_bit_for_bit(cls: type[FedAvg
         for name, tensor in tensors.items():
             assert torch.equal(tensor, private.store.state_dict()[field][name]), (field, name)
     noisy = trained(client_dp=ClientDP(1e-3, 10.0))  # the check sees a changed run
-    assert not torch.equal(noisy.net.fc1.weight, plain.net.fc1.weight)
+    assert not torch.equal(noisy.net.conv1.weight, plain.net.conv1.weight)  # shared by both
 
 
 def test_resume_is_exact_with_dp_and_epsilon_is_logged_every_round(tmp_path: Path) -> None:

@@ -6,8 +6,15 @@ from typing import Any
 
 import torch
 
+from lightning_pfl.engine import Architecture
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import NonNegativeInt, PositiveInt
+
+
+def weighted_layers(arch: Architecture) -> list[str]:
+    """The layers with weights (a parameter of two or more dimensions: linear, convolution), by
+    module name in the network's order: the layers LG-FedAvg's and FedPer's counts count."""
+    return list(dict.fromkeys(n.rsplit(".", 1)[0] for n, s in arch.shapes.items() if len(s) >= 2))
 
 
 class LGFedAvg(FedAvg):
@@ -46,8 +53,7 @@ class LGFedAvg(FedAvg):
 
     def local_names(self) -> tuple[str, ...]:
         """The tensors each client keeps: all but the last ``global_layers`` weighted layers."""
-        layers = [n.rsplit(".", 1)[0] for n, s in self.arch.shapes.items() if len(s) >= 2]
-        shared = set(layers[-self.hp.global_layers :])
+        shared = set(weighted_layers(self.arch)[-self.hp.global_layers :])
         names = (*self.arch.shapes, *self.arch.buffer_shapes)
         return tuple(n for n in names if n.rsplit(".", 1)[0] not in shared)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +17,14 @@ from lightning_pfl.engine import (
     split_prefixed,
     weighted_cross_entropy,
 )
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat, PositiveInt
 
 PROJ = "projection."
+OUT = "output."
+ClassifierInput = Literal["projection", "features"]
 
 
 def model_contrastive_loss(
@@ -40,19 +43,31 @@ def model_contrastive_loss(
 class MOON(FedAvg):
     """MOON: FedAvg whose clients add a model-contrastive term to the cross-entropy.
 
+    The model is the paper's three parts: the base encoder (the network up to its
+    representation, ``Architecture.features``, of size D), the projection head (Linear(D, D),
+    ReLU, Linear(D, ``projection_dim``)) and the output layer, a single linear layer from the
+    projection's output to the classes (``classifier_input: projection``, as the authors'
+    ``ModelFedCon``); the network's own classifier is then not part of the model (neither sent,
+    trained nor evaluated). All three parts are the global model: sent, trained, averaged,
+    counted in the communication and evaluated together.
+
     Client i on a batch: z = proj(features(x)) of the model being trained, z_glob of the
     received global model (positive), z_prev of client i's model after its previous round
     (negative, kept in the client store; the initial model before its first round); loss =
-    CE + mu * l_con with :func:`model_contrastive_loss` at temperature tau. The projection
-    head (Linear(D, D), ReLU, Linear(D, ``projection_dim``)) is part of the global model and
-    averaged with it; the classifier reads the features (the paper's classifier reads the
-    projection's output). Evaluation uses the global model, as in the paper.
+    CE + mu * l_con with :func:`model_contrastive_loss` at temperature tau. Evaluation uses the
+    global model, as in the paper.
 
     Args:
         mu: weight mu of the model-contrastive loss (paper: 5 on CIFAR-10, 1 on CIFAR-100 and
             Tiny-ImageNet).
         temperature: tau (paper: 0.5).
         projection_dim: output size of the projection head (paper: 256).
+        classifier_input: what the classifier reads. ``projection`` (the paper's network and
+            the authors' code): a new output layer Linear(``projection_dim``, classes) reads z.
+            ``features``: the network's own classifier reads the representation and the
+            projection head only feeds l_con (the evaluated model is the network alone); the
+            digits benchmark uses it (the paper's composition collapsed there at its local lr
+            0.05: docs/methods.md, MOON).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: SGD lr 0.01,
             momentum 0.9, weight decay 1e-5, batch 64, 10 local epochs).
     """
@@ -62,42 +77,72 @@ class MOON(FedAvg):
         mu: NonNegativeFloat = 1.0,
         temperature: PositiveFloat = 0.5,
         projection_dim: PositiveInt = 256,
+        classifier_input: ClassifierInput = "projection",
         **kwargs: Any,
     ) -> None:
+        if classifier_input not in get_args(ClassifierInput):
+            raise ConfigError(
+                f"model.init_args.classifier_input = {classifier_input!r}: use projection (the "
+                "paper's output layer on the projection head) or features (the network's "
+                "classifier)."
+            )
         super().__init__(**kwargs)
         self.refuse_batch_norm("MOON reads representations")
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))
         dim = self.arch.shapes[weight][1]
+        self.output: nn.Linear | None = None
         with self.seeded_init():
             self.projection = nn.Sequential(
                 nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, projection_dim)
             )
+            if classifier_input == "projection":
+                self.output = nn.Linear(projection_dim, self.hp.num_classes)
         self.projection_arch = Architecture(self.projection)  # weightless, safe in threads
         self.store.add_field("previous", self.global_state())
         # one object for every round: a recorded round (CUDA graph) is keyed by the loss
         self.client_loss = self.moon_loss
 
+    def own_modules(self) -> dict[str, nn.Module]:
+        """The parts beyond the network, by the prefix of their tensors."""
+        return {PROJ: self.projection} | ({} if self.output is None else {OUT: self.output})
+
+    def network_names(self) -> tuple[str, ...]:
+        """The network's tensors in the model (without its classifier when the output layer
+        replaces it)."""
+        dropped = () if self.output is None else self.arch.head_names
+        names = (*self.arch.shapes, *self.arch.buffer_shapes)
+        return tuple(n for n in names if n not in dropped)
+
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
         h = self.hp
-        params = [*self.net.parameters(), *self.projection.parameters()]
+        kept = set(self.network_names())
+        params = [p for n, p in self.net.named_parameters() if n in kept]
+        params += [p for module in self.own_modules().values() for p in module.parameters()]
         return torch.optim.SGD(params, lr=h.server_lr, momentum=h.server_momentum)
 
     def global_state(self) -> Params:
-        own = {PROJ + n: p.detach() for n, p in self.projection.named_parameters()}
-        return super().global_state() | own
+        state = super().global_state()
+        state = {n: state[n] for n in self.network_names()}
+        for prefix, module in self.own_modules().items():
+            state |= {prefix + n: p.detach() for n, p in module.named_parameters()}
+        return state
 
     def aggregate(self, trained: Params, weights: Tensor) -> None:
         super().aggregate(trained, weights)
-        for name, p in self.projection.named_parameters():
-            p.grad = p.detach() - client_mean(trained[PROJ + name], weights).to(p.dtype)
+        for prefix, module in self.own_modules().items():
+            for name, p in module.named_parameters():
+                p.grad = p.detach() - client_mean(trained[prefix + name], weights).to(p.dtype)
 
     def represent(self, params: Params, x: Tensor, train: bool = False) -> tuple[Tensor, Tensor]:
-        """Projected representation z and logits of one model (net and projection tensors)."""
-        net = {n: t for n, t in params.items() if not n.startswith(PROJ)}
+        """Projected representation z and logits of one model (its network, projection and
+        output tensors)."""
+        net = {n: t for n, t in params.items() if not n.startswith((PROJ, OUT))}
         proj = {n[len(PROJ) :]: t for n, t in params.items() if n.startswith(PROJ)}
         features = self.arch.features(net, x, train=train)
         z = self.projection_arch(proj, features)
-        return z, self.arch.classify(net, features)
+        if self.output is None:
+            return z, self.arch.classify(net, features)
+        return z, F.linear(z, params[OUT + "weight"], params[OUT + "bias"])
 
     def moon_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
         z, logits = self.represent(params, x, train=True)
@@ -122,4 +167,11 @@ class MOON(FedAvg):
 
     def personalized_params(self, clients: Tensor) -> Params:
         params = super().personalized_params(clients)
-        return {n: t for n, t in params.items() if not n.startswith(PROJ)}
+        if self.output is None:  # the evaluated model is the network alone
+            return {n: t for n, t in params.items() if not n.startswith(PROJ)}
+        return params
+
+    def predict(self, params: Params, x: Tensor) -> Tensor:
+        if self.output is None:
+            return super().predict(params, x)
+        return self.represent(params, x)[1]
