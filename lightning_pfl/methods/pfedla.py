@@ -90,16 +90,20 @@ class PFedLA(FederatedMethod):
     Args:
         embed_dim: client embedding size (FL-bench's pFedLA: 100).
         hidden_dim: hypernetwork width (FL-bench's pFedLA: 100).
-        hn_lr: server learning rate of the hypernetworks. FL-bench's pFedLA uses 5e-3 for its
-            ReLU-normalized weights; with the softmax here, 5e-3 left every weight between
-            0.065 and 0.158 (uniform: 0.1) after 150 digits rounds, an average of all clients
-            (FedAvg-like). 5e-2 was chosen on digits validation accuracy (5e-3, 5e-2, 5e-1, 5).
+        hn_lr: server learning rate of the hypernetworks (FL-bench's pFedLA: 5e-3). With
+            ``relu_sum`` a weight's gradient is divided by its layer's output sum (about N
+            times the mean output), so the weights hardly move at small rates: at 5e-3 and 5e-2
+            every weight stayed within 0.03-0.19 (uniform: 0.1) after 150 digits rounds,
+            FedAvg-like. 5 was chosen on digits validation accuracy over 5e-3 ... 50
+            (``benchmarks/results/digits_pfedla_hn_lr/``); the ``softmax`` form's choice on the
+            same grid was 5e-2.
         hn_momentum: server SGD momentum.
         weight_normalization: how HN_i's outputs become the weights alpha_i^l (non-negative,
-            summing to one per layer, as the paper requires of alpha_i): ``relu_sum`` (ReLU
-            outputs divided by their sum, last layer U(0, 1); FL-bench's pFedLA, the only
-            public implementation: the paper gives no form and no official code exists) or
-            ``softmax`` (a softmax over the clients per layer).
+            summing to one over the clients of each layer): ``relu_sum`` (ReLU outputs divided
+            by their sum, last layer U(0, 1)), the form of FL-bench's pFedLA, the only public
+            implementation (no official code exists and the paper's text was not reachable to
+            us), or ``softmax`` (a softmax over the clients per layer; with ``hn_lr: 0.05``
+            the behaviour of earlier versions).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
@@ -107,7 +111,7 @@ class PFedLA(FederatedMethod):
         self,
         embed_dim: PositiveInt = 100,
         hidden_dim: PositiveInt = 100,
-        hn_lr: PositiveFloat = 5e-2,
+        hn_lr: PositiveFloat = 5.0,
         hn_momentum: Momentum = 0.0,
         weight_normalization: WeightNormalization = "relu_sum",
         **kwargs: Any,
