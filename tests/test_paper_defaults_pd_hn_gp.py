@@ -10,9 +10,15 @@ import pytest
 import torch
 
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.methods.pefll import PeFLL
 from lightning_pfl.methods.pfedla import PFedLA
 from tests.conftest import build, digits_data
-from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_vectorized_equals_sequential,
+    capture_local_training,
+)
 
 
 # ----------------------------------------------------------------------------- pFedLA
@@ -66,3 +72,76 @@ def test_pfedla_softmax_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(
         CONF / "pfedla.yaml", tmp_path, "--model.init_args.weight_normalization=softmax"
     )
+
+
+# ----------------------------------------------------------------------------- PeFLL
+def pefll_round_and_expected_gradient(
+    method: PeFLL, lambda_h: float, lambda_v: float, lambda_theta: float
+) -> tuple[list[torch.nn.Parameter], tuple[torch.Tensor, ...]]:
+    """Run round 0 of clients 0 and 3 and return (phi + psi, the gradient of the paper's
+    objective with the delta surrogate for the loss, by autograd on the whole expression)."""
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 3])
+    x, y, w = method.descriptor_batches(clients, 0)
+    generated = {n: t.detach().clone() for n, t in method.network(x, y, w).items()}
+    method.run_round(0, clients)
+    delta = {n: generated[n] - trained[0].params[n] for n in generated}
+    theta = method.network(x, y, w)
+    phi = method.network.body_parameters()
+    psi = method.network.embedding_parameters()
+    objective = (
+        sum((theta[n] * delta[n]).sum() + lambda_theta * theta[n].pow(2).sum() for n in theta)
+        / len(clients)
+        + lambda_h * sum(p.pow(2).sum() for p in phi)
+        + lambda_v * sum(p.pow(2).sum() for p in psi)
+    )
+    return phi + psi, torch.autograd.grad(objective, phi + psi)
+
+
+def test_pefll_default_server_gradient_carries_the_objectives_regularizers() -> None:
+    method = build(PeFLL, digits_data(6), hn_max_grad_norm=None)
+    assert isinstance(method, PeFLL)
+    h = method.hp
+    assert (h.lambda_h, h.lambda_v, h.lambda_theta, h.hn_weight_decay) == (5e-4, 5e-4, 0.0, 0.0)
+    params, expected = pefll_round_and_expected_gradient(method, 5e-4, 5e-4, 0.0)
+    for p, e in zip(params, expected, strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-8)
+    method.configure_optimizers()
+    optimizer = method.server_optimizer
+    assert optimizer is not None
+    assert all(g["weight_decay"] == 0 for g in optimizer.param_groups)
+
+
+def test_pefll_every_regularizer_enters_the_server_gradient() -> None:
+    lambdas = {"lambda_h": 0.03, "lambda_v": 0.02, "lambda_theta": 0.5}
+    method = build(PeFLL, digits_data(6), hn_max_grad_norm=None, **lambdas)
+    assert isinstance(method, PeFLL)
+    params, expected = pefll_round_and_expected_gradient(method, *lambdas.values())
+    for p, e in zip(params, expected, strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
+    # lambda_theta acts through theta_i's Jacobian, not on the parameters directly
+    plain = build(PeFLL, digits_data(6), hn_max_grad_norm=None, **{**lambdas, "lambda_theta": 0})
+    assert isinstance(plain, PeFLL)
+    plain_params, _ = pefll_round_and_expected_gradient(plain, 0.03, 0.02, 0.0)
+    assert not torch.allclose(params[0].grad, plain_params[0].grad)  # type: ignore[arg-type]
+
+
+def test_pefll_regularizers_are_clipped_with_the_delta_gradient() -> None:
+    method = build(PeFLL, digits_data(6), hn_max_grad_norm=1e-3, lambda_h=10.0)
+    assert isinstance(method, PeFLL)
+    method.run_round(0, torch.tensor([0, 3]))
+    params = method.network.body_parameters() + method.network.embedding_parameters()
+    grads = [p.grad for p in params if p.grad is not None]
+    assert len(grads) == len(params)
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    torch.testing.assert_close(norm, torch.tensor(1e-3))
+
+
+def test_pefll_regularized_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(PeFLL, lambda_theta=0.1)
+
+
+def test_pefll_regularized_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "pefll.yaml", tmp_path, "--model.init_args.lambda_theta=0.1")
