@@ -4,6 +4,7 @@ vectorized == sequential and exact resume on the new path."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,13 @@ import torch
 
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.pefll import PeFLL
+from lightning_pfl.methods.pfedgp import (
+    KERNEL,
+    NOISE_FLOOR,
+    PFedGP,
+    gp_negative_log_likelihood,
+    gp_posterior_mean,
+)
 from lightning_pfl.methods.pfedla import PFedLA
 from tests.conftest import build, digits_data
 from tests.helpers import (
@@ -145,3 +153,89 @@ def test_pefll_regularized_vectorized_equals_sequential() -> None:
 
 def test_pefll_regularized_resume_is_exact(tmp_path: Path) -> None:
     assert_resume_is_exact(CONF / "pefll.yaml", tmp_path, "--model.init_args.lambda_theta=0.1")
+
+
+# ----------------------------------------------------------------------------- pFedGP
+def test_pfedgp_kernel_is_fixed_by_default_as_in_the_authors_code() -> None:
+    method = build(PFedGP, digits_data(6), clients_per_round=3)
+    assert isinstance(method, PFedGP)
+    assert not method.hp.learn_kernel and len(method.kernel) == 0
+    assert not any(n.startswith("gp.") for n in method.payload(torch.tensor([0])))
+    assert method.kernel_hyperparameters({}) == (0.5, 0.1)
+
+
+def test_pfedgp_learned_kernel_is_trained_on_the_marginal_likelihood_and_averaged() -> None:
+    dm = digits_data(6)
+    method = build(PFedGP, dm, clients_per_round=3, learn_kernel=True, lengthscale=0.7, noise=0.2)
+    assert isinstance(method, PFedGP)
+    start = {n: float(p) for n, p in method.kernel.items()}
+    assert start["log_lengthscale"] == pytest.approx(math.log(0.7))
+    assert start["log_noise"] == pytest.approx(math.log(0.2 - NOISE_FLOOR))
+    sent = method.payload(torch.tensor([0, 4]))
+    assert set(KERNEL) <= set(sent) and sent[KERNEL[0]].shape == (2,)
+    # the client loss is the GP likelihood at l = exp(log l), s2 = exp(log s2) + floor
+    params = {n: t[0] for n, t in sent.items()}
+    index, weight = next(method.data.eval_blocks(torch.tensor([0]), "train", 16))
+    x, y = method.data.fetch(index)
+    z = method.extractor(params, x[0], train=True).double()
+    expected = gp_negative_log_likelihood(z, y[0], weight[0].double(), 10, 0.7, 0.2).float()
+    got = method.gp_loss(params, {}, x[0], y[0], weight[0])
+    torch.testing.assert_close(got, expected)
+    leaves = {n: t.detach().requires_grad_() for n, t in params.items()}
+    loss = method.gp_loss(leaves, {}, x[0], y[0], weight[0])
+    assert isinstance(loss, torch.Tensor)
+    grads = torch.autograd.grad(loss, [leaves[n] for n in KERNEL])
+    assert all(float(g.abs()) > 0 for g in grads)
+    # one round: the server's kernel is the sample-weighted mean of the clients' trained ones
+    trained = capture_local_training(method)
+    clients = torch.tensor([0, 1, 4])
+    round_loss = method.run_round(0, clients)
+    method.server_optimizer = method.configure_server_optimizer()
+    method.server_optimizer.step()
+    weights = method.client_weights(clients, 0)
+    for name, p in method.kernel.items():
+        uploaded = trained[0].params[f"gp.{name}"]
+        assert not torch.allclose(uploaded, torch.full_like(uploaded, start[name]))
+        torch.testing.assert_close(p.detach(), (weights * uploaded).sum().to(p.dtype))
+    assert torch.isfinite(round_loss).all()
+
+
+def test_pfedgp_prediction_reads_the_learned_kernel() -> None:
+    method = build(PFedGP, digits_data(6), clients_per_round=3, learn_kernel=True)
+    assert isinstance(method, PFedGP)
+    with torch.no_grad():
+        method.kernel["log_lengthscale"].fill_(math.log(0.3))
+        method.kernel["log_noise"].fill_(math.log(0.05))
+    clients = torch.tensor([2])
+    params = {n: t[0] for n, t in method.personalized_params(clients).items()}
+    index, weight = next(method.data.eval_blocks(clients, "train", 10**6))
+    x, y = method.data.fetch(index)
+    count = int(weight[0].sum())
+    net = {n: t for n, t in params.items() if not n.startswith("gp.")}
+    z = method.extractor(net, x[0, :count]).double()
+    x_test, _ = method.data.fetch(next(method.data.eval_blocks(clients, "test", 10**6))[0][0])
+    expected = gp_posterior_mean(
+        z,
+        y[0, :count],
+        torch.ones(count, dtype=torch.float64),
+        method.extractor(net, x_test).double(),
+        10,
+        0.3,
+        0.05 + NOISE_FLOOR,
+    )
+    torch.testing.assert_close(
+        method.predict(params, x_test), expected.float(), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_pfedgp_refuses_a_noise_at_the_floor_when_learning_the_kernel() -> None:
+    with pytest.raises(ConfigError, match="learn_kernel"):
+        build(PFedGP, digits_data(6), learn_kernel=True, noise=NOISE_FLOOR)
+
+
+def test_pfedgp_learned_kernel_vectorized_equals_sequential() -> None:
+    assert_vectorized_equals_sequential(PFedGP, learn_kernel=True)
+
+
+def test_pfedgp_learned_kernel_resume_is_exact(tmp_path: Path) -> None:
+    assert_resume_is_exact(CONF / "pfedgp.yaml", tmp_path, "--model.init_args.learn_kernel=true")
