@@ -211,7 +211,7 @@ def test_pefll_unseen_client_gets_a_model_without_a_gradient_step() -> None:
 
 
 def test_pefll_gradient_flows_through_the_descriptor_into_the_embedding_network() -> None:
-    method = build(PeFLL, digits_data(6), hn_max_grad_norm=None)
+    method = build(PeFLL, digits_data(6), hn_max_grad_norm=None, lambda_v=0.0)  # psi's delta part
     trained = capture_local_training(method)
     clients = torch.tensor([0, 3])
     x, y, w = method.descriptor_batches(clients, 0)

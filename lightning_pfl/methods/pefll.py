@@ -14,9 +14,9 @@ from lightning_pfl.engine import Params, derive_seed
 from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
-from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads
+from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads, set_delta_gradients
 from lightning_pfl.streams import BATCH_STREAM
-from lightning_pfl.validation import NonNegativeInt, PositiveInt
+from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 DESCRIPTOR_PHASE = 1
 CALIBRATION_DESCRIPTORS = 64
@@ -152,6 +152,14 @@ class PeFLL(PFedHN):
     This is the gradient of (1/C) sum_i <h(e(B_i; psi); phi), delta_i> in (phi, psi): the
     chain rule through the delta (computed here in one backward pass).
 
+    The server also differentiates the regularizers of the paper's objective,
+    lambda_h ||phi||^2 + lambda_v ||psi||^2 + (1/C) sum_i lambda_theta ||theta_i||^2
+    (phi: the hypernetwork, psi: the embedding network, theta_i = h(v_i; phi); our reading of
+    the paper's three symbols, whose text was not reachable to us): their gradients
+    2 lambda_h phi, 2 lambda_v psi and (1/C) sum_i (d theta_i / d (phi, psi))^T 2 lambda_theta
+    theta_i join the delta gradient before its norm is clipped. They replace the server's
+    weight decay, which is off by default (``hn_weight_decay`` 0).
+
     Nothing is client-specific: a client's personalized model is h(e(S_i)) with its descriptor
     over all its training data S_i, so a new client gets a model with two forward passes and
     no training (:meth:`model_for`).
@@ -177,6 +185,17 @@ class PeFLL(PFedHN):
             accuracy after 50 rounds).
         standardize_descriptors: standardize descriptors as above (False: raw mean embeddings,
             which on digits the hypernetwork ignores, so every client gets the same model).
+        lambda_h: lambda_h, the weight of ||phi||^2 (the hypernetwork's parameters). Default
+            5e-4: the authors' code's server weight decay 1e-3 (SGD), whose step is that of
+            5e-4 ||phi||^2.
+        lambda_v: lambda_v, the weight of ||psi||^2 (the embedding network's parameters);
+            default 5e-4 as ``lambda_h`` (the code decays both networks alike).
+        lambda_theta: lambda_theta, the weight of ||theta_i||^2 (each generated model),
+            averaged over the round's clients. Default 0: the authors' code has no such server
+            term; its clients' SGD weight decay (5e-5, ``local_weight_decay`` here) acts on
+            theta during local training.
+        hn_weight_decay: the server optimizer's weight decay, on top of the regularizers
+            (default 0; the earlier behaviour: 1e-3 with all three lambdas 0).
         **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (hypernetwork size, server
             optimizer of phi and psi, ``hn_update``, and the inner loop K, eta).
     """
@@ -186,10 +205,14 @@ class PeFLL(PFedHN):
         embedding_hidden: PositiveInt = 100,
         descriptor_batch: PositiveInt | None = None,
         standardize_descriptors: bool = True,
+        lambda_h: NonNegativeFloat = 5e-4,
+        lambda_v: NonNegativeFloat = 5e-4,
+        lambda_theta: NonNegativeFloat = 0.0,
         n_hidden: NonNegativeInt = 3,
+        hn_weight_decay: NonNegativeFloat = 0.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(n_hidden=n_hidden, **kwargs)
+        super().__init__(n_hidden=n_hidden, hn_weight_decay=hn_weight_decay, **kwargs)
 
     def build_hypernetwork(self) -> PeFLLNetwork:
         h = self.hp
@@ -222,6 +245,40 @@ class PeFLL(PFedHN):
         )
         x, y = self.data.fetch(batches.index[:, 0])
         return x.to(self.device), y.to(self.device), batches.weight[:, 0].to(self.device)
+
+    def set_hypernetwork_gradients(
+        self,
+        generated: Params,
+        delta: Params,
+        rows: slice | None = None,
+        weights: Tensor | None = None,
+    ) -> None:
+        """grad(phi, psi) of sum_i w_i (<theta_i, delta_i> + lambda_theta ||theta_i||^2)
+        + lambda_h ||phi||^2 + lambda_v ||psi||^2 over ``delta``'s clients
+        (``generated[rows]``; w_i default 1/C), then clip to ``hn_max_grad_norm``."""
+        h = self.hp
+        outputs = {n: t[rows] if rows is not None else t for n, t in generated.items()}
+        first = next(iter(delta.values()))
+        if weights is None:
+            weights = torch.full((len(first),), 1.0 / len(first), device=first.device)
+        phi = self.network.body_parameters()
+        psi = self.network.embedding_parameters()
+        set_delta_gradients(
+            phi + psi,
+            list(outputs.values()),
+            [delta[n] + 2 * h.lambda_theta * outputs[n].detach() for n in outputs],
+            [weights] * len(outputs),
+            None,
+            retain_graph=rows is not None,
+        )
+        for params, lam in ((phi, h.lambda_h), (psi, h.lambda_v)):
+            for p in params:
+                if p.grad is not None:
+                    p.grad = p.grad + 2 * lam * p.detach()
+                elif lam > 0:
+                    p.grad = 2 * lam * p.detach()
+        if h.hn_max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(phi + psi, h.hn_max_grad_norm)
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         x, y, weight = self.descriptor_batches(clients, round_idx)

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_pfl.engine import LossFn, Params, TrainResult
+from lightning_pfl.engine import LossFn, Params, TrainResult, client_mean
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import PositiveFloat
 
+KERNEL = ("gp.log_lengthscale", "gp.log_noise")
+NOISE_FLOOR = 1e-4  # GPyTorch's default lower bound of a Gaussian likelihood's noise
 
-def rbf_kernel(a: Tensor, b: Tensor, lengthscale: float) -> Tensor:
+Scale = float | Tensor
+
+
+def rbf_kernel(a: Tensor, b: Tensor, lengthscale: Scale) -> Tensor:
     """k(a, b) = exp(-||a - b||^2 / (2 l^2)) for rows of ``a [N, d]`` and ``b [M, d]``.
 
     ||a - b||^2 is expanded as ||a||^2 + ||b||^2 - 2 a.b, so memory is O(N M), not the
@@ -24,7 +31,7 @@ def rbf_kernel(a: Tensor, b: Tensor, lengthscale: float) -> Tensor:
     return torch.exp(-0.5 * sq.clamp_min(0) / lengthscale**2)
 
 
-def masked_gram(z: Tensor, weight: Tensor, lengthscale: float, noise: float) -> Tensor:
+def masked_gram(z: Tensor, weight: Tensor, lengthscale: Scale, noise: Scale) -> Tensor:
     """K + s2 I over the real points (weight 1); a padding point (weight 0) is independent of
     all others with prior variance 1, so with target 0 it changes no solution."""
     k = rbf_kernel(z, z, lengthscale) * weight.unsqueeze(-1) * weight.unsqueeze(-2)
@@ -39,7 +46,7 @@ def gp_targets(y: Tensor, weight: Tensor, num_classes: int) -> Tensor:
 
 
 def gp_negative_log_likelihood(
-    z: Tensor, y: Tensor, weight: Tensor, num_classes: int, lengthscale: float, noise: float
+    z: Tensor, y: Tensor, weight: Tensor, num_classes: int, lengthscale: Scale, noise: Scale
 ) -> Tensor:
     """Per-sample negative log marginal likelihood of independent GP regressions, one per class:
     (1/n) sum_c [0.5 y_c^T (K + s2 I)^-1 y_c + 0.5 log|K + s2 I| + 0.5 n log 2 pi]."""
@@ -61,8 +68,8 @@ def gp_posterior_mean(
     weight: Tensor,
     z_test: Tensor,
     num_classes: int,
-    lengthscale: float,
-    noise: float,
+    lengthscale: Scale,
+    noise: Scale,
 ) -> Tensor:
     """K_* (K + s2 I)^-1 Y: the posterior mean of every class's GP at ``z_test``, ``[M, C]``."""
     alpha = gp_weights(z_train, y_train, weight, num_classes, lengthscale, noise)
@@ -70,7 +77,7 @@ def gp_posterior_mean(
 
 
 def gp_weights(
-    z: Tensor, y: Tensor, weight: Tensor, num_classes: int, lengthscale: float, noise: float
+    z: Tensor, y: Tensor, weight: Tensor, num_classes: int, lengthscale: Scale, noise: Scale
 ) -> Tensor:
     """(K + s2 I)^-1 Y over the training points (zero rows for padding), ``[N, C]``."""
     chol = torch.linalg.cholesky(masked_gram(z, weight, lengthscale, noise))
@@ -95,39 +102,87 @@ class PFedGP(FedAvg):
     not. No GP library is used: GPyTorch is not a dependency and its models are stateful
     modules that do not run under ``torch.func.vmap``.
 
+    Kernel hyperparameters: fixed by default, as in the authors' code (which rebuilds every
+    client's GP tree with outputscale 8 and lengthscale 1 at every step and optimizes only
+    the network). With ``learn_kernel`` they are part of the shared kernel: log l and
+    log s2 are sent with w, trained by the clients' local SGD on the same marginal
+    likelihood and averaged with w (the server model holds them, so checkpoints carry them);
+    s2 is floored at 1e-4 (GPyTorch's default noise bound).
+
     Prediction: the posterior mean K_* (K + s2 I)^-1 Y over all of the client's training
     points (the class with the largest mean wins).
 
     Args:
-        lengthscale: l, the RBF lengthscale on the normalized representation.
-        noise: s2, the observation noise of the label regression.
+        lengthscale: l, the RBF lengthscale on the normalized representation (its starting
+            value with ``learn_kernel``).
+        noise: s2, the observation noise of the label regression (likewise).
+        learn_kernel: learn l and s2 with the extractor (shared by all clients, FedAvg'd);
+            False: keep them at ``lengthscale`` and ``noise``, as the authors' code does.
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
     def __init__(
-        self, lengthscale: PositiveFloat = 0.5, noise: PositiveFloat = 0.1, **kwargs: Any
+        self,
+        lengthscale: PositiveFloat = 0.5,
+        noise: PositiveFloat = 0.1,
+        learn_kernel: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.refuse_batch_norm("pFedGP")
+        if learn_kernel and noise <= NOISE_FLOOR:
+            raise ConfigError(
+                f"model.init_args.noise = {noise} must exceed {NOISE_FLOOR} with learn_kernel "
+                "(the learned noise is floored there); raise it or set learn_kernel: false."
+            )
+        self.kernel = nn.ParameterDict()
+        if learn_kernel:
+            for name, value in zip(KERNEL, (lengthscale, noise - NOISE_FLOOR), strict=True):
+                self.kernel[name.split(".")[1]] = nn.Parameter(torch.tensor(math.log(value)))
         self.gp_loss = self.marginal_likelihood_loss()
+
+    def kernel_hyperparameters(self, params: Params) -> tuple[Scale, Scale]:
+        """(l, s2) of ``params``' kernel tensors, or the fixed ones without ``learn_kernel``."""
+        if not self.hp.learn_kernel:
+            return self.hp.lengthscale, self.hp.noise
+        log_l, log_noise = (params[n].double() for n in KERNEL)
+        return log_l.exp(), log_noise.exp() + NOISE_FLOOR
 
     def extractor(self, params: Params, x: Tensor, train: bool = False) -> Tensor:
         """The kernel's input: the L2-normalized representation."""
-        return F.normalize(self.arch.features(params, x, train).float(), dim=-1)
+        net = {n: t for n, t in params.items() if not n.startswith("gp.")}
+        return F.normalize(self.arch.features(net, x, train).float(), dim=-1)
 
     def marginal_likelihood_loss(self) -> LossFn:
         h = self.hp
 
         def loss(params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
-            z = self.extractor({**params, **frozen}, x, train=True)
+            joined = {**params, **frozen}
+            z = self.extractor(joined, x, train=True)
+            lengthscale, noise = self.kernel_hyperparameters(joined)
             return gp_negative_log_likelihood(
-                z.double(), y, w.double(), h.num_classes, h.lengthscale, h.noise
+                z.double(), y, w.double(), h.num_classes, lengthscale, noise
             ).float()
 
         return loss
 
+    def configure_server_optimizer(self) -> torch.optim.Optimizer:
+        h = self.hp
+        params = [*self.net.parameters(), *self.kernel.parameters()]
+        return torch.optim.SGD(params, lr=h.server_lr, momentum=h.server_momentum)
+
+    def global_state(self) -> Params:
+        """The extractor's state and, with ``learn_kernel``, the kernel tensors (detached)."""
+        kernel = {f"gp.{n}": p.detach() for n, p in self.kernel.items()}
+        return super().global_state() | kernel
+
+    def aggregate(self, trained: Params, weights: Tensor) -> None:
+        super().aggregate(trained, weights)
+        for name, p in self.kernel.items():
+            p.grad = p.detach() - client_mean(trained[f"gp.{name}"], weights).to(p.dtype)
+
     def payload(self, clients: Tensor) -> Params:
-        """The extractor only: the classifier layer is replaced by the GP."""
+        """The extractor (and kernel) only: the classifier layer is replaced by the GP."""
         sent = super().payload(clients)
         return {n: t for n, t in sent.items() if n not in self.arch.head_names}
 
@@ -144,12 +199,13 @@ class PFedGP(FedAvg):
         )
         x, y = self.data.fetch(index)
         z = torch.vmap(self.extractor)(params, x).double()
+        lengthscale, noise = self.kernel_hyperparameters(self.global_state())
         alpha = torch.vmap(gp_weights, in_dims=(0, 0, 0, None, None, None))(
-            z, y, weight.double(), h.num_classes, h.lengthscale, h.noise
+            z, y, weight.double(), h.num_classes, lengthscale, noise
         )
         return params | {"gp.z": z, "gp.alpha": alpha}
 
     def predict(self, params: Params, x: Tensor) -> Tensor:
-        net = {n: t for n, t in params.items() if not n.startswith("gp.")}
-        z = self.extractor(net, x).double()
-        return (rbf_kernel(z, params["gp.z"], self.hp.lengthscale) @ params["gp.alpha"]).float()
+        z = self.extractor(params, x).double()
+        lengthscale, _ = self.kernel_hyperparameters(params)
+        return (rbf_kernel(z, params["gp.z"], lengthscale) @ params["gp.alpha"]).float()

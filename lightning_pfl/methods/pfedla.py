@@ -3,27 +3,44 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pfl.engine import Params
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.validation import Momentum, PositiveFloat, PositiveInt
 
+WeightNormalization = Literal["relu_sum", "softmax"]
+
 
 class LayerWeightHyperNetworks(nn.Module):
-    """One small hypernetwork per client: alpha_i = softmax_j(HN_i(v_i)) for every layer.
+    """One small hypernetwork per client: alpha_i = HN_i(v_i) ``[L, N]`` for every layer.
 
-    HN_i is embedding v_i -> Linear-ReLU -> Linear-ReLU -> Linear to L x N logits; the parameters
-    of all N hypernetworks are stacked along a leading client dimension.
+    HN_i is embedding v_i -> Linear-ReLU -> Linear-ReLU -> Linear to L x N outputs; the
+    parameters of all N hypernetworks are stacked along a leading client dimension. The outputs
+    become weights that are non-negative and sum to one over the clients of each layer:
+
+    - ``relu_sum``: ReLU outputs divided by their sum, the last layer's weights drawn from
+      U(0, 1) and its bias zero (FL-bench's pFedLA); a layer whose outputs are all zero falls
+      back to the client's own model (weight 1 on itself), as FL-bench does.
+    - ``softmax``: a softmax over the clients of each layer (default PyTorch init).
     """
 
-    def __init__(self, num_clients: int, num_layers: int, embed_dim: int, hidden_dim: int) -> None:
+    def __init__(
+        self,
+        num_clients: int,
+        num_layers: int,
+        embed_dim: int,
+        hidden_dim: int,
+        normalization: WeightNormalization = "relu_sum",
+    ) -> None:
         super().__init__()
         n, e, h = num_clients, embed_dim, hidden_dim
         self.num_layers = num_layers
+        self.normalization = normalization
 
         def uniform(*shape: int, fan_in: int) -> nn.Parameter:
             bound = 1.0 / math.sqrt(fan_in)
@@ -33,26 +50,38 @@ class LayerWeightHyperNetworks(nn.Module):
         self.w1, self.b1 = uniform(h, e, fan_in=e), uniform(h, fan_in=e)
         self.w2, self.b2 = uniform(h, h, fan_in=h), uniform(h, fan_in=h)
         self.w3, self.b3 = uniform(num_layers * n, h, fan_in=h), uniform(num_layers * n, fan_in=h)
+        if normalization == "relu_sum":
+            # PyTorch's default init would often give all-negative outputs (all weights zero)
+            with torch.no_grad():
+                self.w3.uniform_(0.0, 1.0)
+                self.b3.zero_()
 
     def forward(self, clients: Tensor) -> Tensor:
         """Aggregation weights ``[C, L, N]`` of ``clients``; each ``[c, l]`` row sums to one."""
         z = self.embedding[clients]
         z = torch.relu(torch.einsum("che,ce->ch", self.w1[clients], z) + self.b1[clients])
         z = torch.relu(torch.einsum("cgh,ch->cg", self.w2[clients], z) + self.b2[clients])
-        logits = torch.einsum("coh,ch->co", self.w3[clients], z) + self.b3[clients]
-        return logits.view(len(clients), self.num_layers, -1).softmax(-1)
+        out = torch.einsum("coh,ch->co", self.w3[clients], z) + self.b3[clients]
+        out = out.view(len(clients), self.num_layers, -1)
+        if self.normalization == "softmax":
+            return out.softmax(-1)
+        positive = torch.relu(out)
+        total = positive.sum(-1, keepdim=True)
+        own = nn.functional.one_hot(clients, out.shape[-1]).to(out.dtype)[:, None, :]
+        return torch.where(total > 0, positive / total.clamp_min(1e-30), own)
 
 
 class PFedLA(FederatedMethod):
     """pFedLA: each client's model is a layer-wise mixture of every client's model.
 
     The server keeps the latest model theta_j of every client j and one hypernetwork HN_i per
-    client. Round for sampled client i: alpha_i = HN_i(v_i) ``[L, N]`` (softmax over clients per
-    layer l); the server sends theta-bar_i^l = sum_j alpha_ij^l theta_j^l; the client trains it
-    (fresh optimizer) to theta~_i and uploads delta_i = theta-bar_i - theta~_i; the server stores
-    theta_i <- theta~_i and updates HN_i with the chain rule (pFedHN's rule):
-    grad phi_i = (d theta-bar_i / d phi_i)^T delta_i, the gradient of the surrogate
-    <theta-bar_i(phi_i), delta_i>. A client's personalized model is theta-bar_i.
+    client. Round for sampled client i: alpha_i = HN_i(v_i) ``[L, N]`` (non-negative, summing to
+    one over the clients of each layer l); the server sends theta-bar_i^l =
+    sum_j alpha_ij^l theta_j^l; the client trains it (fresh optimizer) to theta~_i and uploads
+    delta_i = theta-bar_i - theta~_i; the server stores theta_i <- theta~_i and updates HN_i
+    with the chain rule (pFedHN's rule): grad phi_i = (d theta-bar_i / d phi_i)^T delta_i, the
+    gradient of the surrogate <theta-bar_i(phi_i), delta_i>. A client's personalized model is
+    theta-bar_i.
 
     A "layer" is a module (its weight and bias share one weight). The server SGD has no
     momentum by default: a hypernetwork that is not sampled gets a zero gradient, which
@@ -61,11 +90,20 @@ class PFedLA(FederatedMethod):
     Args:
         embed_dim: client embedding size (FL-bench's pFedLA: 100).
         hidden_dim: hypernetwork width (FL-bench's pFedLA: 100).
-        hn_lr: server learning rate of the hypernetworks. FL-bench's pFedLA uses 5e-3 for its
-            ReLU-normalized weights; with the softmax here, 5e-3 left every weight between
-            0.065 and 0.158 (uniform: 0.1) after 150 digits rounds, an average of all clients
-            (FedAvg-like). 5e-2 was chosen on digits validation accuracy (5e-3, 5e-2, 5e-1, 5).
+        hn_lr: server learning rate of the hypernetworks (FL-bench's pFedLA: 5e-3). With
+            ``relu_sum`` a weight's gradient is divided by its layer's output sum (about N
+            times the mean output), so the weights hardly move at small rates: at 5e-3 and 5e-2
+            every weight stayed within 0.025-0.19 (uniform: 0.1) after 150 digits rounds,
+            FedAvg-like. 5 was chosen on digits validation accuracy over 5e-3 ... 50
+            (``benchmarks/results/digits_pfedla_hn_lr/``); the ``softmax`` form's choice on the
+            same grid was 5e-2.
         hn_momentum: server SGD momentum.
+        weight_normalization: how HN_i's outputs become the weights alpha_i^l (non-negative,
+            summing to one over the clients of each layer): ``relu_sum`` (ReLU outputs divided
+            by their sum, last layer U(0, 1)), the form of FL-bench's pFedLA, the only public
+            implementation (no official code exists and the paper's text was not reachable to
+            us), or ``softmax`` (a softmax over the clients per layer; with ``hn_lr: 0.05``
+            the behaviour of earlier versions).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
@@ -73,18 +111,24 @@ class PFedLA(FederatedMethod):
         self,
         embed_dim: PositiveInt = 100,
         hidden_dim: PositiveInt = 100,
-        hn_lr: PositiveFloat = 5e-2,
+        hn_lr: PositiveFloat = 5.0,
         hn_momentum: Momentum = 0.0,
+        weight_normalization: WeightNormalization = "relu_sum",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if weight_normalization not in ("relu_sum", "softmax"):
+            raise ConfigError(
+                f"model.init_args.weight_normalization = {weight_normalization!r} is not one of "
+                "'relu_sum', 'softmax'. Change it in the config file or on the command line."
+            )
         self.refuse_batch_norm("pFedLA mixes whole models layer by layer")
         names = list(self.arch.shapes)
         self.layers = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names))
         self.layer_of = {n: self.layers.index(n.rsplit(".", 1)[0]) for n in names}
         with self.seeded_init():
             self.hnet = LayerWeightHyperNetworks(
-                self.hp.num_clients, len(self.layers), embed_dim, hidden_dim
+                self.hp.num_clients, len(self.layers), embed_dim, hidden_dim, weight_normalization
             )
         self.store.add_field("params", self.arch.initial_params())
 
