@@ -278,9 +278,9 @@ def cross_entropy_loss(arch: Architecture) -> LossFn:
     """
 
     def loss(
-        params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
-        logits, buffers = arch.forward_train({**frozen, **params}, x)
+        logits, buffers = arch.forward_train({**context, **params}, x)
         ce = weighted_cross_entropy(logits, y, weight)
         return (ce, buffers) if buffers else ce
 
@@ -381,7 +381,7 @@ def train_clients(
     groups: Sequence[ParamGroup],
     batches: ClientBatches,
     fetch: Callable[[Tensor], tuple[Tensor, Tensor]],
-    frozen: Params | None = None,
+    context: Params | None = None,
     momentum: Params | None = None,
     vectorize: bool = True,
     compile_step: bool = False,
@@ -394,20 +394,21 @@ def train_clients(
     """Run local SGD for every client of the round.
 
     Args:
-        loss_fn: ``loss(params, frozen, x, y, weight)`` of one client on one batch; with
+        loss_fn: ``loss(params, context, x, y, weight)`` of one client on one batch; with
             ``state`` it returns ``(loss, new_state)``.
         params: trainable tensors, stacked ``[C, ...]``; every name must be in one group.
         groups: SGD configuration per set of names.
         batches: the clients' batches (see :class:`ClientBatches`).
         fetch: maps an index tensor to ``(inputs, labels)`` on the device.
-        frozen: per-client tensors the loss reads but does not train, stacked ``[C, ...]``.
+        context: per-client tensors the loss reads without training them (anchors, class counts,
+            a received global model), stacked ``[C, ...]``.
         momentum: initial momentum buffers (zeros = a fresh optimizer), stacked like params.
         vectorize: train all clients at once with ``vmap`` (else one by one, same math).
         compile_step: run the step (vmapped or per client) through ``torch.compile``. The
             first round compiles (tens of seconds); later rounds reuse it as long as
             ``loss_fn`` is the same object.
         state: per-client tensors the loss reads and updates without gradients (batch-norm
-            running statistics), stacked ``[C, ...]``; passed to the loss inside ``frozen``
+            running statistics), stacked ``[C, ...]``; passed to the loss inside ``context``
             and replaced by the loss's returned state after every active step.
         graphs: record the whole call once per shape and replay it (CUDA graphs); the
             recording is keyed by ``loss_fn``, ``groups``, ``fetch_key`` (what identifies the
@@ -420,7 +421,7 @@ def train_clients(
             the groups then only say which tensors train together and whether they are
             clipped): clients of runs that differ only by their SGD settings train as one.
     """
-    frozen = frozen or {}
+    context = context or {}
     state = state or {}
     rates = rates or {}
     momentum = (
@@ -495,7 +496,7 @@ def train_clients(
         params: Params,
         momentum: Params,
         state: Params,
-        frozen: Params,
+        context: Params,
         rates: Params,
         index: Tensor,
         weight: Tensor,
@@ -503,7 +504,7 @@ def train_clients(
     ) -> tuple[Params, Params, Params, Tensor]:
         """Every local step of every client: a pure function of its tensors (recordable)."""
         if batched_step is None and threads > 1:
-            args = (params, momentum, state, frozen, rates, index, weight, active)
+            args = (params, momentum, state, context, rates, index, weight, active)
             return _threaded_rounds(taken_step, groups, fetch, threads, *args)
         num_clients, num_steps = active.shape
         loss_sum = torch.zeros(num_clients, device=weight.device)
@@ -511,7 +512,7 @@ def train_clients(
             x, y = fetch(index[:, s])
             if batched_step is not None:
                 params, momentum, state, loss = batched_step(
-                    params, momentum, state, frozen, rates, x, y, weight[:, s], active[:, s]
+                    params, momentum, state, context, rates, x, y, weight[:, s], active[:, s]
                 )
             else:
                 outs = [
@@ -519,7 +520,7 @@ def train_clients(
                         _row(params, c),
                         _row(momentum, c),
                         _row(state, c),
-                        _row(frozen, c),
+                        _row(context, c),
                         _row(rates, c),
                         x[c],
                         y[c],
@@ -539,7 +540,7 @@ def train_clients(
         params,
         momentum,
         state,
-        frozen,
+        context,
         rates,
         batches.index,
         batches.weight,
@@ -638,7 +639,7 @@ def _threaded_rounds(
     params: Params,
     momentum: Params,
     state: Params,
-    frozen: Params,
+    context: Params,
     rates: Params,
     index: Tensor,
     weight: Tensor,
@@ -652,7 +653,7 @@ def _threaded_rounds(
     taken = active.cpu()
 
     def train_one(c: int) -> tuple[Params, Params, Params, Tensor]:
-        p, m, st, fr = _row(params, c), _row(momentum, c), _row(state, c), _row(frozen, c)
+        p, m, st, fr = _row(params, c), _row(momentum, c), _row(state, c), _row(context, c)
         client_groups = _client_groups(groups, _row(rates, c))
         loss_sum = torch.zeros((), device=weight.device)
         for s in taken[c].nonzero().flatten().tolist():

@@ -3,7 +3,7 @@ weights, ...) and read by the client loss at the step it is taking.
 
 The engine gives a loss one batch and the per-client tensors of the round, not the step index.
 A method that needs fresh random inputs at every local step draws them for the whole round on
-the server, seeded by round (a bank ``[C, S, ...]`` passed frozen), and adds a *clock* to the
+the server, seeded by round (a bank ``[C, S, ...]`` passed as context), and adds a *clock* to the
 trained tensors: a scalar per client in its own SGD group with learning rate -1 whose loss term
 :func:`tick` has gradient 1, so every step a client takes advances its clock by one (an idle
 step does not) and :func:`at` reads the bank's row for the current step. The client step stays

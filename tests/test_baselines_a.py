@@ -36,7 +36,7 @@ def capture_calls(method: FederatedMethod) -> list[tuple[dict[str, Any], TrainRe
     """Record every ``local_train`` call's arguments (by name) and result."""
     calls: list[tuple[dict[str, Any], TrainResult]] = []
     original = method.local_train
-    names = ("params", "clients", "round_idx", "groups", "loss_fn", "frozen")
+    names = ("params", "clients", "round_idx", "groups", "loss_fn", "context")
 
     def wrapped(*args: Any, **kwargs: Any) -> TrainResult:
         result = original(*args, **kwargs)
@@ -143,7 +143,7 @@ def test_ditto_trains_the_global_model_as_fedavg_and_keeps_personal_models() -> 
     for name in initial:
         # v started at w^0 (the round's received model here) and is kept, trained, per client
         assert torch.equal(personal_args["params"][name][0], initial[name])
-        assert torch.equal(personal_args["frozen"][f"anchor.{name}"][1], initial[name])
+        assert torch.equal(personal_args["context"][f"anchor.{name}"][1], initial[name])
         assert torch.equal(v[name][[1, 4]], personal_stage.params[name])
         assert torch.equal(v[name][0], initial[name])
         assert not torch.equal(personal_stage.params[name], global_stage.params[name])
@@ -191,12 +191,12 @@ def test_fedrep_trains_the_head_on_the_received_body_then_the_body() -> None:
     server_step(method, [2, 5])
     (head_args, head_stage), (body_args, body_stage) = calls
     assert set(head_args["params"]) == head_names
-    assert set(head_args["frozen"]) == set(received) - head_names
-    for name, tensor in head_args["frozen"].items():  # head stage: the received body, frozen
+    assert set(head_args["context"]) == set(received) - head_names
+    for name, tensor in head_args["context"].items():  # head stage: the received body, frozen
         assert torch.equal(tensor, received[name].expand_as(tensor)), name
     assert set(body_args["params"]) == set(received) - head_names
     for name in head_names:  # body stage: the trained head, frozen
-        assert torch.equal(body_args["frozen"][name], head_stage.params[name])
+        assert torch.equal(body_args["context"][name], head_stage.params[name])
         assert torch.equal(method.store.fields["personal"][name][clients], head_stage.params[name])
     for name, tensor in body_args["params"].items():  # ... and the received body
         assert torch.equal(tensor, received[name].expand_as(tensor)), name

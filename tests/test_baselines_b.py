@@ -155,14 +155,14 @@ def test_moon_loss_is_cross_entropy_plus_mu_times_contrastive() -> None:
     other = {n: t + 0.01 * torch.randn_like(t) for n, t in params.items()}
     prev = {n: t - 0.02 for n, t in params.items()}
     x, y = dm.fetch(dm.index["train"].flat[:6])
-    frozen = {f"global.{n}": t for n, t in other.items()}
-    frozen |= {f"previous.{n}": t for n, t in prev.items()}
+    context = {f"global.{n}": t for n, t in other.items()}
+    context |= {f"previous.{n}": t for n, t in prev.items()}
     w = torch.ones(6)
     z, logits = method.represent(params, x)
     expected = torch.nn.functional.cross_entropy(logits, y) + 2.5 * model_contrastive_loss(
         z, method.represent(other, x)[0], method.represent(prev, x)[0], 0.7, w
     )
-    torch.testing.assert_close(method.moon_loss(params, frozen, x, y, w), expected)
+    torch.testing.assert_close(method.moon_loss(params, context, x, y, w), expected)
     assert z.shape == (6, 256)
 
 

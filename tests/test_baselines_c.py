@@ -54,9 +54,9 @@ def test_prototype_loss_is_cross_entropy_plus_lambda_times_feature_distance() ->
     protos = torch.randn(10, z.shape[-1])
     present = torch.ones(10)
     present[2] = 0.0  # class 2 has no prototype yet: no term
-    frozen = {"proto.value": protos, "proto.present": present}
+    context = {"proto.value": protos, "proto.present": present}
     lam = 0.7
-    got = prototype_regularized_loss(method.arch, lam)(params, frozen, x, y, w)
+    got = prototype_regularized_loss(method.arch, lam)(params, context, x, y, w)
     ce = F.cross_entropy(method.arch(params, x)[:5], y[:5])
     dist = ((z - protos[y]) ** 2).mean(-1) * present[y]
     torch.testing.assert_close(got, ce + lam * dist[:5].mean())

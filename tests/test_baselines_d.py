@@ -112,13 +112,13 @@ def test_fedphp_loss_on_a_hand_example() -> None:
     student_bias = [1.0, 0.0] + [-30.0] * 8
     teacher_bias = [0.0, 3.0] + [-30.0] * 8
     student = bias_only(method, student_bias)
-    frozen = {f"hpm.{n}": t for n, t in bias_only(method, teacher_bias).items()}
+    context = {f"hpm.{n}": t for n, t in bias_only(method, teacher_bias).items()}
     x, _ = dm.fetch(dm.index["train"].flat[:2])
     y = torch.tensor([0, 0])
     ce = -math.log(softmax(student_bias)[0])
     tempered = softmax([b / 2 for b in teacher_bias]), softmax([b / 2 for b in student_bias])
     expected = 0.8 * ce + 0.2 * 4 * kl(*tempered)  # T^2 KL(p_hpm^T || p_local^T)
-    assert abs(float(method.php_loss(student, frozen, x, y, torch.ones(2))) - expected) < 1e-4
+    assert abs(float(method.php_loss(student, context, x, y, torch.ones(2))) - expected) < 1e-4
 
 
 def test_fedphp_round_updates_the_history_model() -> None:
@@ -343,10 +343,10 @@ def test_partialfed_selection_gradient_and_layer_mixing() -> None:
     x, y = dm.fetch(dm.index["train"].flat[:8])
     w = torch.ones(8)
     beta = {layer: torch.tensor(0.4) for layer in method.layers}
-    frozen = {f"global.{n}": t for n, t in glob.items()} | {
+    context = {f"global.{n}": t for n, t in glob.items()} | {
         f"local.{n}": t for n, t in local.items()
     }
-    g_beta = grad(method.relaxed_loss)(beta, frozen, x, y, w)
+    g_beta = grad(method.relaxed_loss)(beta, context, x, y, w)
     s = torch.sigmoid(torch.tensor(0.4))
     theta = {n: s * glob[n] + (1 - s) * local[n] for n in glob}
     g_theta = grad(lambda p: torch.nn.functional.cross_entropy(method.arch(p, x), y))(theta)

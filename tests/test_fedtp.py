@@ -262,9 +262,9 @@ def test_rod_body_is_trained_by_the_balanced_loss_only() -> None:
     }
     x, y = method.data.fetch(method.data.index["train"].lookup(clients, torch.arange(8)[None]))
     counts = torch.tensor([5.0, 0, 0, 3, 0, 0, 0, 0, 0, 0])
-    frozen = {"class_counts": counts}
+    context = {"class_counts": counts}
     w = torch.ones(8)
-    total = method.rod_loss(params, frozen, x[0], y[0], w)
+    total = method.rod_loss(params, context, x[0], y[0], w)
     grads = torch.autograd.grad(total, list(params.values()))
     generic, personal = method._logits(params, x[0], True)
     balanced = balanced_softmax_cross_entropy(generic, y[0], counts, w)

@@ -387,7 +387,7 @@ def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teache
 
     def spy(params: Any, clients: Any, round_idx: int, **kwargs: Any) -> Any:
         result = original(params, clients, round_idx, **kwargs)
-        calls.append((kwargs["arch"], kwargs.get("frozen"), result))
+        calls.append((kwargs["arch"], kwargs.get("context"), result))
         return result
 
     setattr(method, "local_train", spy)  # noqa: B010
@@ -407,15 +407,15 @@ def test_gd_trains_the_global_model_first_then_personal_models_with_it_as_teache
     global_trained = calls[0][2].params
     kinds = [kind for kind, _ in method.zoo.split(clients)]
     assert [c[0] for c in calls[1:]] == [method.zoo.archs[k] for k in kinds]
-    for (_, rows), (_, frozen, _) in zip(method.zoo.split(clients), calls[1:], strict=True):
+    for (_, rows), (_, context, _) in zip(method.zoo.split(clients), calls[1:], strict=True):
         for name, tensor in global_trained.items():
             if teacher == "trained":  # each client's copy after its global training
-                torch.testing.assert_close(frozen[f"teacher.{name}"], tensor[rows])
+                torch.testing.assert_close(context[f"teacher.{name}"], tensor[rows])
         for name, value in received.items():
             if teacher == "received":  # the global model as generated before the round's steps
                 want = value.expand(len(rows), *value.shape[1:])
-                torch.testing.assert_close(frozen[f"teacher.{name}"], want)
-                assert not torch.equal(frozen[f"teacher.{name}"], global_trained[name][rows])
+                torch.testing.assert_close(context[f"teacher.{name}"], want)
+                assert not torch.equal(context[f"teacher.{name}"], global_trained[name][rows])
     plain = build_mh(MHPFedHNG)
     assert isinstance(plain, MHPFedHNG)
     assert not plain.distills() and plain.personal_loss("cnn") is plain.losses["cnn"]
@@ -447,8 +447,8 @@ def test_gd_personal_loss_mixes_cross_entropy_and_distillation(t_squared: bool) 
     teacher = {n: torch.randn_like(t) * 0.3 for n, t in method.global_arch.initial_params().items()}
     x, y, w = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4]), torch.ones(5)
     w[-1] = 0.0
-    frozen = {f"teacher.{n}": t for n, t in teacher.items()}
-    value = method.distill_losses[kind](student, frozen, x, y, w)
+    context = {f"teacher.{n}": t for n, t in teacher.items()}
+    value = method.distill_losses[kind](student, context, x, y, w)
     logits, target = arch(student, x, train=True), method.global_arch(teacher, x)
     ce = F.cross_entropy(logits[:4], y[:4])
     p_t = F.softmax(target[:4] / 3, -1)
@@ -568,7 +568,7 @@ def test_frozen_clients_keep_their_last_layers_at_the_generated_values() -> None
         torch.tensor(cnn[:1]),
         0,
         loss_fn=cross_entropy_loss(arch),
-        frozen={n: generated[n][:1] for n in names},
+        context={n: generated[n][:1] for n in names},
         batches=method.draw_batches(clients, 0).select(position),
         arch=arch,
     )
@@ -630,7 +630,7 @@ def test_only_holders_train_the_global_model_and_set_its_gradient(update: str) -
 
     def spy(params: Any, clients: Any, round_idx: int, **kwargs: Any) -> Any:
         result = original(params, clients, round_idx, **kwargs)
-        calls.append((clients, kwargs.get("frozen"), result))
+        calls.append((clients, kwargs.get("context"), result))
         return result
 
     setattr(method, "local_train", spy)  # noqa: B010
@@ -661,11 +661,11 @@ def test_only_holders_train_the_global_model_and_set_its_gradient(update: str) -
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
     # personal training: holders distil from their own trained copy, the others get no teacher
     position = {0: 0, 2: 1}
-    for members, frozen, _ in calls[1:]:
-        assert frozen[HOLDS].tolist() == [c in position for c in members.tolist()]
+    for members, context, _ in calls[1:]:
+        assert context[HOLDS].tolist() == [c in position for c in members.tolist()]
         for i, c in enumerate(members.tolist()):
             for name, tensor in global_result.params.items():
-                teacher = frozen[f"teacher.{name}"][i]
+                teacher = context[f"teacher.{name}"][i]
                 if c in position:
                     assert torch.equal(teacher, tensor[position[c]])
                 else:
@@ -681,9 +681,9 @@ def test_clients_without_the_global_model_use_plain_cross_entropy() -> None:
     teacher = {n: torch.randn_like(t) for n, t in method.global_arch.initial_params().items()}
     x, y, w = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4]), torch.ones(5)
     w[-1] = 0.0
-    frozen = {f"teacher.{n}": t for n, t in teacher.items()}
+    context = {f"teacher.{n}": t for n, t in teacher.items()}
     loss = method.distill_losses["cnn"]
-    without = loss(student, {**frozen, HOLDS: torch.tensor(False)}, x, y, w)
+    without = loss(student, {**context, HOLDS: torch.tensor(False)}, x, y, w)
     ce = weighted_cross_entropy(arch(student, x, train=True), y, w)
     assert isinstance(without, torch.Tensor) and torch.equal(without, ce)
     for g, h in zip(
@@ -692,8 +692,8 @@ def test_clients_without_the_global_model_use_plain_cross_entropy() -> None:
         strict=True,
     ):
         assert torch.equal(g, h)
-    holding = loss(student, {**frozen, HOLDS: torch.tensor(True)}, x, y, w)
-    torch.testing.assert_close(holding, loss(student, frozen, x, y, w))  # (1 - lambda) CE + ...
+    holding = loss(student, {**context, HOLDS: torch.tensor(True)}, x, y, w)
+    torch.testing.assert_close(holding, loss(student, context, x, y, w))  # (1 - lambda) CE + ...
 
 
 def test_a_round_without_holders_takes_no_global_step() -> None:

@@ -113,12 +113,12 @@ def test_partialfed_selection_step_uses_a_relaxed_bernoulli_sample() -> None:
     w = torch.ones(8)
     beta = {layer: torch.tensor(0.2 * i - 0.3) for i, layer in enumerate(method.layers)}
     noise = torch.randn(3, len(method.layers))
-    frozen = {f"global.{n}": t for n, t in glob.items()} | {
+    context = {f"global.{n}": t for n, t in glob.items()} | {
         f"local.{n}": t for n, t in local.items()
     }
-    frozen["select_noise"] = noise
+    context["select_noise"] = noise
     params = beta | {"step_clock": torch.tensor(1.0)}
-    loss = method.relaxed_loss(params, frozen, x, y, w)
+    loss = method.relaxed_loss(params, context, x, y, w)
     s = {
         layer: torch.sigmoid((beta[layer] + noise[1, i]) / 0.5)
         for i, layer in enumerate(method.layers)
@@ -126,7 +126,7 @@ def test_partialfed_selection_step_uses_a_relaxed_bernoulli_sample() -> None:
     theta = {n: s[layer_of(n)] * glob[n] + (1 - s[layer_of(n)]) * local[n] for n in glob}
     expected = torch.nn.functional.cross_entropy(method.arch(theta, x), y)
     torch.testing.assert_close(loss, expected)
-    assert float(grad(method.relaxed_loss)(params, frozen, x, y, w)["step_clock"]) == 1.0
+    assert float(grad(method.relaxed_loss)(params, context, x, y, w)["step_clock"]) == 1.0
 
 
 def test_partialfed_load_noise_is_keyed_by_client() -> None:

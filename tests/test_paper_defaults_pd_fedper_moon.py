@@ -123,9 +123,9 @@ def test_moon_default_output_layer_reads_the_projection() -> None:
         torch.testing.assert_close(method.predict(first, x), logits)
         torch.testing.assert_close(method.represent(first, x)[0], z)
         # global = previous = the model: both cosines are 1, l_con = log 2
-        frozen = {f"{k}.{n}": t for k in ("global", "previous") for n, t in first.items()}
+        context = {f"{k}.{n}": t for k in ("global", "previous") for n, t in first.items()}
         torch.testing.assert_close(
-            method.moon_loss(first, frozen, x, y, torch.ones(12)),
+            method.moon_loss(first, context, x, y, torch.ones(12)),
             F.cross_entropy(logits, y) + method.hp.mu * math.log(2),
         )
     # the evaluation scores the same composition

@@ -42,7 +42,7 @@ def test_fedphp_default_distillation_tempers_only_the_teacher() -> None:
     student_bias = [1.0, 0.0] + [-30.0] * 8
     teacher_bias = [0.0, 3.0] + [-30.0] * 8
     student = bias_only(method, student_bias)
-    frozen = {f"hpm.{n}": t for n, t in bias_only(method, teacher_bias).items()}
+    context = {f"hpm.{n}": t for n, t in bias_only(method, teacher_bias).items()}
     x, _ = dm.fetch(dm.index["train"].flat[:2])
     y = torch.tensor([0, 0])
     p_student = softmax(student_bias)
@@ -51,10 +51,10 @@ def test_fedphp_default_distillation_tempers_only_the_teacher() -> None:
     target = softmax([b / 2 for b in teacher_bias])
     soft = -sum(q * math.log(p) for q, p in zip(target, p_student, strict=True))
     expected = 0.8 * ce + 0.2 * soft
-    loss = float(method.php_loss(student, frozen, x, y, torch.ones(2)))
+    loss = float(method.php_loss(student, context, x, y, torch.ones(2)))
     assert abs(loss - expected) < 1e-4
     hinton = build(FedPHP, dm, lam=0.2, temperature=2.0, distillation="hinton")
-    assert abs(float(hinton.php_loss(student, frozen, x, y, torch.ones(2))) - expected) > 0.1
+    assert abs(float(hinton.php_loss(student, context, x, y, torch.ones(2))) - expected) > 0.1
 
 
 def test_gaussian_mmd_on_hand_numbers_and_padding() -> None:
@@ -83,13 +83,13 @@ def test_fedphp_mmd_transfers_the_hpm_features() -> None:
     g = torch.Generator().manual_seed(0)
     init = method.arch.initial_params()
     student = {n: t + 0.2 * torch.randn(t.shape, generator=g) for n, t in init.items()}
-    frozen = {f"hpm.{n}": t for n, t in init.items()}
+    context = {f"hpm.{n}": t for n, t in init.items()}
     x, y = dm.fetch(dm.index["train"].flat[:6])
     w = torch.tensor([1.0] * 5 + [0.0])
     features = method.arch.features(student, x, train=True)
     ce = torch.nn.functional.cross_entropy(method.arch(student, x)[:5], y[:5])
     mmd = gaussian_mmd(features, method.arch.features(init, x), w)
-    loss = method.php_loss(student, frozen, x, y, w)
+    loss = method.php_loss(student, context, x, y, w)
     torch.testing.assert_close(loss, 0.7 * ce + 0.3 * mmd)
     assert float(mmd) > 1e-4
     same = {f"hpm.{n}": t for n, t in student.items()}

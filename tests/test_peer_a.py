@@ -161,11 +161,11 @@ def test_feddyn_local_gradient_is_ce_minus_state_plus_alpha_times_drift() -> Non
     theta = randomized(start, 3, scale=1.0)
     theta = {n: start[n] + theta[n] for n in names}
     state = randomized(start, 4)
-    frozen = anchor(start, names) | prefixed(LINEAR, {n: -state[n] for n in names})
+    context = anchor(start, names) | prefixed(LINEAR, {n: -state[n] for n in names})
     index = torch.arange(16)
     x, y = dm.fetch(index)
     w = torch.ones(16)
-    actual = grad(method.dynamic_loss)(theta, frozen, x, y, w)
+    actual = grad(method.dynamic_loss)(theta, context, x, y, w)
     ce = grad(method.cross_entropy)(theta, {}, x, y, w)
     for n in names:
         expected = ce[n] - state[n] + alpha * (theta[n] - start[n])

@@ -66,7 +66,7 @@ def test_fedbabu_trains_and_averages_the_body_with_the_initial_head_frozen() -> 
         [ParamGroup(tuple(body_before), method.local_sgd())],
         method.draw_batches(clients, 0),
         dm.fetch,
-        frozen={n: t.expand(2, *t.shape) for n, t in head.items()},
+        context={n: t.expand(2, *t.shape) for n, t in head.items()},
     )
     for name, tensor in result.params.items():
         torch.testing.assert_close(tensor, expected.params[name], msg=name)
@@ -92,7 +92,7 @@ def test_fedbabu_personalized_model_is_the_global_model_fine_tuned_for_tau_epoch
         [ParamGroup(names, SGDConfig(0.02, 0.9, 5e-5, 50.0))],
         method.draw_batches(clients, 0, 5, FINETUNE_PHASE),  # tau = 5 epochs by default
         dm.fetch,
-        frozen={n: t for n, t in model.items() if n not in names},
+        context={n: t for n, t in model.items() if n not in names},
     )
     for name, tensor in tuned.items():
         if name in names:
@@ -347,10 +347,10 @@ def test_apple_gradients_of_the_core_model_and_the_relationships() -> None:
     p = torch.tensor([0.1, 0.3, 0.4, 0.2], requires_grad=True)
     p0 = torch.full((4,), 0.25)
     own = {n: t[i].clone().requires_grad_() for n, t in cores.items()}
-    frozen = {"cores." + n: t for n, t in cores.items()}
-    frozen |= {"self": F.one_hot(torch.tensor(i), 4).float(), "p0": p0, "coef": torch.tensor(0.7)}
+    context = {"cores." + n: t for n, t in cores.items()}
+    context |= {"self": F.one_hot(torch.tensor(i), 4).float(), "p0": p0, "coef": torch.tensor(0.7)}
     x, y = dm.fetch(dm.index["train"].flat[:12])
-    loss = method.apple_loss({**own, "p": p}, frozen, x, y, torch.ones(12))
+    loss = method.apple_loss({**own, "p": p}, context, x, y, torch.ones(12))
     grads = torch.autograd.grad(loss, [*own.values(), p])
     # by hand: the personalized model as a leaf, its cross-entropy gradient g
     mixed = {

@@ -333,15 +333,15 @@ def test_gpfl_local_loss_is_ce_plus_gce_plus_lambda_batch_norm_distance() -> Non
     assert isinstance(method, GPFL)
     clients = torch.tensor([1])
     start = method.personalized_params(clients)
-    frozen = method.contexts(start, clients)
+    context = method.contexts(start, clients)
     counts = torch.as_tensor(dm.partition_counts()["train"][1], dtype=torch.float32)
     torch.testing.assert_close(
-        frozen["context.personal"][0], counts / counts.sum() @ method.extra["gce__embedding"]
+        context["context.personal"][0], counts / counts.sum() @ method.extra["gce__embedding"]
     )
     params = {n: t[0] for n, t in start.items()}
     x, y = dm.fetch(torch.as_tensor(dm._parts["train"][1][:8]))
     w = torch.ones(8)
-    loss = method.gpfl_loss(params, {n: t[0] for n, t in frozen.items()}, x, y, w)
+    loss = method.gpfl_loss(params, {n: t[0] for n, t in context.items()}, x, y, w)
     z = method.arch.features(method.network(params), x)
     embedding = params["gce.embedding"]
     f_p = conditional_valve(params, z, counts / counts.sum() @ embedding)
@@ -415,13 +415,13 @@ def test_fedcp_local_loss_and_server_update() -> None:
     # the loss: CE(head_p(h r) + head_g(h s)) + lambda MMD(phi(x), phi_g(x))
     one = {n: t[1] for n, t in before.items()}
     x, y = dm.fetch(torch.as_tensor(dm._parts["train"][2][:8]))
-    frozen = {"global_head." + n: one[n] for n in method.arch.head_names}
-    frozen |= {"global_body." + n: one[n] for n in method.body} | {"context": one["context"]}
+    context = {"global_head." + n: one[n] for n in method.arch.head_names}
+    context |= {"global_body." + n: one[n] for n in method.body} | {"context": one["context"]}
     params = {
         n: one[n] for n in (*method.body, "cpn.weight", "cpn.bias", "cpn.ln_weight", "cpn.ln_bias")
     }
     params |= {n: t for n, t in one.items() if n in method.arch.head_names}
-    loss = method.policy_loss(params, frozen, x, y, torch.ones(8))
+    loss = method.policy_loss(params, context, x, y, torch.ones(8))
     h = method.arch.features({n: one[n] for n in method.body}, x)
     r, s = policy(one, h * one["context"] / one["context"].norm(), 1.0, noise=False)
     logits = method.arch.classify(one, h * r) + method.arch.classify(one, h * s)

@@ -242,11 +242,11 @@ def kt_inputs(
     params = method.arch.initial_params()
     x, y = dm.fetch(dm.index["train"].flat[:6])
     other = {n: t + 0.05 for n, t in params.items()}
-    frozen = {
+    context = {
         **{f"global.{n}": t for n, t in other.items()},
         **{f"prev.{n}": t for n, t in params.items()},
     }
-    return params, other, frozen, x, y
+    return params, other, context, x, y
 
 
 def test_triplet_loss_on_kl_distances() -> None:
@@ -263,9 +263,9 @@ def test_triplet_loss_on_kl_distances() -> None:
     torch.testing.assert_close(logit_distance(glob, pm, "mse", w), ((glob - pm) ** 2).mean())
     dm = digits_data(4)
     method = build_kt(dm, mu=0.25, alpha=0.3, **FAST)
-    params, other, frozen, x, y = kt_inputs(method, dm)
+    params, other, context, x, y = kt_inputs(method, dm)
     weight = torch.ones(6)
-    loss = method.kt_loss(params, frozen, x, y, weight)
+    loss = method.kt_loss(params, context, x, y, weight)
     logits = method.arch(params, x)
     positive = logit_distance(method.arch(other, x), logits, "kl", weight)
     ce = F.cross_entropy(logits, y)
@@ -277,8 +277,8 @@ def test_l2_variant_is_mu_l2_plus_one_minus_mu_ce() -> None:
     """Table 10's L2 variant replaces l_con in mu * l_con + (1 - mu) * CE by ||theta - w||^2."""
     dm = digits_data(4)
     method = build_kt(dm, mu=0.25, contrastive="l2", **FAST)
-    params, other, frozen, x, y = kt_inputs(method, dm)
-    loss = method.kt_loss(params, frozen, x, y, torch.ones(6))
+    params, other, context, x, y = kt_inputs(method, dm)
+    loss = method.kt_loss(params, context, x, y, torch.ones(6))
     l2 = sum(((params[n] - other[n]) ** 2).sum() for n in params)
     ce = F.cross_entropy(method.arch(params, x), y)
     torch.testing.assert_close(loss, 0.25 * l2 + 0.75 * ce)
@@ -299,8 +299,8 @@ def test_case_a_is_fedavg() -> None:
     everyone = torch.arange(6)
     for name, t in case_a.personalized_params(everyone).items():
         assert torch.equal(t, case_a.net.get_parameter(name).expand_as(t)), name
-    params, _, frozen, x, y = kt_inputs(case_a, dm)
-    loss = case_a.kt_loss(params, frozen, x, y, torch.ones(6))
+    params, _, context, x, y = kt_inputs(case_a, dm)
+    loss = case_a.kt_loss(params, context, x, y, torch.ones(6))
     torch.testing.assert_close(loss, F.cross_entropy(case_a.arch(params, x), y))
 
 
@@ -308,8 +308,8 @@ def test_case_b_generates_private_models_and_trains_them_on_ce_alone() -> None:
     dm = digits_data(6)
     method = build_kt(dm, ablation="B", **FAST)
     assert {"hn", "pm", "visited"} <= set(method.store.fields)
-    params, _, frozen, x, y = kt_inputs(method, dm)
-    loss = method.kt_loss(params, frozen, x, y, torch.ones(6))
+    params, _, context, x, y = kt_inputs(method, dm)
+    loss = method.kt_loss(params, context, x, y, torch.ones(6))
     torch.testing.assert_close(loss, F.cross_entropy(method.arch(params, x), y))
 
 
@@ -329,9 +329,9 @@ def test_case_c_trains_the_global_model_with_the_contrastive_loss(model: str) ->
     method.run_round(0, clients)
     for name, p in method.net.named_parameters():  # trained from what the server sent
         assert torch.equal(starts[0][name], p.detach().expand_as(starts[0][name]))
-    params, _, frozen, x, y = kt_inputs(method, dm)
+    params, _, context, x, y = kt_inputs(method, dm)
     assert not torch.equal(
-        method.kt_loss(params, frozen, x, y, torch.ones(6)),
+        method.kt_loss(params, context, x, y, torch.ones(6)),
         F.cross_entropy(method.arch(params, x), y),
     )
     kept = method.personalized_params(clients)

@@ -84,7 +84,7 @@ class APFL(FedAvg):
     def make_loss(self) -> Any:
         lr = self.alpha_lr
 
-        def loss(params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor) -> Tensor:
+        def loss(params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor) -> Tensor:
             w = {n: params[n] for n in self.arch.shapes}
             v = {n: params[LOCAL + n] for n in self.arch.shapes}
             alpha = ProjectedStep.apply(params[ALPHA], lr)

@@ -85,15 +85,17 @@ class APPLE(FederatedMethod):
         """p^0: every client's share of the training samples, ``[n]``."""
         return self.client_weights(torch.arange(self.hp.num_clients, device=self.device)).float()
 
-    def apple_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
-        p, own = params[P], frozen[SELF]
+    def apple_loss(
+        self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
+    ) -> Tensor:
+        p, own = params[P], context[SELF]
         others, mine = p * (1 - own), (p * own).sum()
         model = {
-            n: torch.tensordot(others, frozen[CORES + n], dims=1) + mine * params[n]
+            n: torch.tensordot(others, context[CORES + n], dims=1) + mine * params[n]
             for n in self.arch.shapes
         }
         logits = self.arch(model, x, train=True)
-        return weighted_cross_entropy(logits, y, w) + frozen[COEF] * (p - frozen[P0]).pow(2).sum()
+        return weighted_cross_entropy(logits, y, w) + context[COEF] * (p - context[P0]).pow(2).sum()
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         h = self.hp
@@ -103,10 +105,10 @@ class APPLE(FederatedMethod):
         size = len(clients)
         decay = h.decay_rounds or max(int(0.1 * self._max_rounds()), 1)
         coef = h.mu * regularization_weight(h.schedule, round_idx, decay)
-        frozen = {CORES + n: t.expand(size, *t.shape) for n, t in cores.items()}
-        frozen[SELF] = (clients.view(-1, 1) == every).float()
-        frozen[P0] = p0.expand(size, -1)
-        frozen[COEF] = torch.full((size,), coef, device=self.device)
+        context = {CORES + n: t.expand(size, *t.shape) for n, t in cores.items()}
+        context[SELF] = (clients.view(-1, 1) == every).float()
+        context[P0] = p0.expand(size, -1)
+        context[COEF] = torch.full((size,), coef, device=self.device)
         own = {n: t[clients].clone() for n, t in cores.items()}
         p = p0 + self.store.gather("p_shift", clients, self.device)[P]
         groups = [
@@ -119,11 +121,11 @@ class APPLE(FederatedMethod):
             round_idx,
             groups=groups,
             loss_fn=self.client_loss,
-            frozen=frozen,
+            context=context,
         )
         self.store.scatter("core", clients, {n: result.params[n] for n in own})
         self.store.scatter("p_shift", clients, {P: result.params[P] - p0})
-        downloaded = {n: frozen[CORES + n] for n in own}
+        downloaded = {n: context[CORES + n] for n in own}
         self.record_communication(down=downloaded, up={n: result.params[n] for n in own})
         return result.loss
 

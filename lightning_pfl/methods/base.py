@@ -382,7 +382,7 @@ class FederatedMethod(LightningModule, ABC):
         round_idx: int,
         groups: Sequence[ParamGroup] | None = None,
         loss_fn: LossFn | None = None,
-        frozen: Params | None = None,
+        context: Params | None = None,
         momentum: Params | None = None,
         batches: ClientBatches | None = None,
         arch: Architecture | None = None,
@@ -402,7 +402,7 @@ class FederatedMethod(LightningModule, ABC):
         loss_fn = loss_fn or (self.cross_entropy if arch is self.arch else cross_entropy_loss(arch))
         result = self.executor.train(
             TrainJob(
-                loss_fn, trainable, tuple(groups), batches, arch, frozen or {}, momentum, state
+                loss_fn, trainable, tuple(groups), batches, arch, context or {}, momentum, state
             )
         )
         result.params = {**result.params, **result.state}

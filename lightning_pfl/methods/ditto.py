@@ -52,7 +52,7 @@ class Ditto(FedAvg):
             clients,
             round_idx,
             loss_fn=self.personal_loss,
-            frozen=received,
+            context=received,
             batches=self.draw_batches(clients, round_idx, epochs, PERSONAL_PHASE),
         )
         self.store.scatter("v", clients, personal.params)

@@ -94,7 +94,7 @@ class FedAKT(HeterogeneousModels):
         """L = CE(h(f(x))) + CE(h(a(x))) + mu ||f(x) - a(x)||^2 / d for one client group."""
         adapter, mu = self.adapter_arch, self.hp.distill_weight
 
-        def loss(params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+        def loss(params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
             model = {n[6:]: t for n, t in params.items() if n.startswith("model.")}
             shared = {n[8:]: t for n, t in params.items() if n.startswith("adapter.")}
             z = arch.features(model, x, train=True)

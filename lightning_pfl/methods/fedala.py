@@ -85,20 +85,20 @@ class FedALA(FedAvg):
         self.weight_loss = self.ala_loss
 
     # ----------------------------------------------------------------- ALA
-    def mixed(self, weights: Params, frozen: Params) -> Params:
+    def mixed(self, weights: Params, context: Params) -> Params:
         """The model Theta_i + (Theta - Theta_i) * W on the top layers, Theta below."""
         eta = self.hp.eta
         top = {}
         for n in self.top:
             w = ProjectedStep.apply(weights[WEIGHT + n], eta)
-            top[n] = frozen[LOCAL + n] + (frozen[GLOBAL + n] - frozen[LOCAL + n]) * w
-        lower = {n: frozen[GLOBAL + n] for n in self.arch.shapes if n not in top}
+            top[n] = context[LOCAL + n] + (context[GLOBAL + n] - context[LOCAL + n]) * w
+        lower = {n: context[GLOBAL + n] for n in self.arch.shapes if n not in top}
         return lower | top
 
     def ala_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor:
-        logits = self.arch(self.mixed(params, frozen), x, train=True)
+        logits = self.arch(self.mixed(params, context), x, train=True)
         return weighted_cross_entropy(logits, y, weight)
 
     def ala_batches(self, clients: Tensor, round_idx: int) -> ClientBatches:
@@ -118,8 +118,8 @@ class FedALA(FedAvg):
         marks the clients whose first ALA this is (trained to convergence)."""
         h = self.hp
         weights = self.store.gather("weights", clients, self.device)
-        frozen = {GLOBAL + n: received[n] for n in self.arch.shapes}
-        frozen |= {LOCAL + n: local[n] for n in self.top}
+        context = {GLOBAL + n: received[n] for n in self.arch.shapes}
+        context |= {LOCAL + n: local[n] for n in self.top}
         batches = self.ala_batches(clients, round_idx)
         group = [ParamGroup(tuple(weights), SGDConfig(h.eta))]
         running = first.to(self.device)
@@ -136,7 +136,7 @@ class FedALA(FedAvg):
                 round_idx,
                 groups=group,
                 loss_fn=self.weight_loss,
-                frozen=frozen,
+                context=context,
                 batches=epoch_batches,
             )
             weights = result.params
@@ -147,7 +147,7 @@ class FedALA(FedAvg):
                 running = running & ~done
         weights = {n: t.clamp(0.0, 1.0) for n, t in weights.items()}
         with torch.no_grad():
-            return self.mixed(weights, frozen), weights
+            return self.mixed(weights, context), weights
 
     # ----------------------------------------------------------------- the round
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:

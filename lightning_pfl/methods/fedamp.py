@@ -99,7 +99,7 @@ class FedAMP(FederatedMethod):
             clients,
             round_idx,
             loss_fn=self.prox_loss,
-            frozen=anchor(cloud, self.trainable),
+            context=anchor(cloud, self.trainable),
         )
         self.store.scatter("params", clients, result.params)
         self.record_communication(down=cloud, up=result.params)

@@ -65,17 +65,17 @@ class FedAS(FedAvg):
         self.align_loss = self.feature_alignment  # one object: a recorded round is keyed by it
 
     def feature_alignment(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor:
         z = self.arch.features(params, x, train=True)
-        return alignment_loss(z, y, w, frozen["proto.value"], frozen["proto.present"])
+        return alignment_loss(z, y, w, context["proto.value"], context["proto.present"])
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         h = self.hp
         sent = {n: t for n, t in self.payload(clients).items() if n in self.body}
         local = self.store.gather("model", clients, self.device)
         sums, _, counts = class_statistics(self, local, clients)
-        frozen = {
+        context = {
             "proto.value": sums / counts.clamp_min(1).unsqueeze(-1),
             "proto.present": (counts > 0).float(),
         }
@@ -85,7 +85,7 @@ class FedAS(FedAvg):
             round_idx,
             groups=[ParamGroup(self.body, SGDConfig(h.alignment_lr))],
             loss_fn=self.align_loss,
-            frozen=frozen,
+            context=context,
             batches=self.draw_batches(clients, round_idx, h.alignment_epochs, ALIGN_PHASE),
         )
         head = {n: local[n] for n in self.arch.head_names}

@@ -67,7 +67,7 @@ class FedAvgFT(FedAvg):
                 [ParamGroup(tuple(trainable), sgd or self.local_sgd())],
                 batches,
                 self.data.fetch,
-                frozen=fixed,
+                context=fixed,
                 state=state,
                 vectorize=vectorize,
                 threads=threads,

@@ -55,7 +55,7 @@ class FedBABU(FedAvgFT):
         return {n: state[n].expand(len(clients), *state[n].shape) for n in self.head}
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
-        return self.local_train(start, clients, round_idx, frozen=self.frozen_head(clients))
+        return self.local_train(start, clients, round_idx, context=self.frozen_head(clients))
 
     def personalized_params(self, clients: Tensor) -> Params:
         h = self.hp

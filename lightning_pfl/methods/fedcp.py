@@ -119,12 +119,12 @@ class FedCP(FedAvg):
         return self.arch.classify(params, h * r) + self.arch.classify(global_head, h * s)
 
     def policy_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor:
         h = self.hp
-        logits = self.outputs(params | frozen, x, h.gumbel_noise, train=True)
+        logits = self.outputs(params | context, x, h.gumbel_noise, train=True)
         local = self.arch.features({n: params[n] for n in self.body}, x, train=True)
-        reference = self.arch.features({n: frozen[FROZEN + n] for n in self.body}, x)
+        reference = self.arch.features({n: context[FROZEN + n] for n in self.body}, x)
         return weighted_cross_entropy(logits, y, w) + h.lam * rbf_mmd(local, reference, w)
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
@@ -133,10 +133,10 @@ class FedCP(FedAvg):
         own = self.store.gather("personal", clients, self.device)
         shared = tuple(n for n in sent if n not in self.arch.head_names)
         start = {n: sent[n].clone() for n in shared} | {n: own[n] for n in self.arch.head_names}
-        frozen = {GLOBAL + n: sent[n] for n in self.arch.head_names}
-        frozen |= {FROZEN + n: sent[n] for n in self.body} | {CONTEXT: own[CONTEXT]}
+        context = {GLOBAL + n: sent[n] for n in self.arch.head_names}
+        context |= {FROZEN + n: sent[n] for n in self.body} | {CONTEXT: own[CONTEXT]}
         result = self.local_train(
-            start, clients, round_idx, loss_fn=self.client_loss, frozen=frozen
+            start, clients, round_idx, loss_fn=self.client_loss, context=context
         )
         heads = {n: result.params[n] for n in self.arch.head_names}
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))

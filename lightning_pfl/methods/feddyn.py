@@ -76,13 +76,13 @@ class FedDyn(FedAvg):
         alpha = self.hp.alpha
         sent = self.payload(clients)
         state = self.store.gather("gradient", clients, self.device)
-        frozen = anchor(sent, self.trainable) | prefixed(LINEAR, {n: -g for n, g in state.items()})
+        context = anchor(sent, self.trainable) | prefixed(LINEAR, {n: -g for n, g in state.items()})
         result = self.local_train(
             {n: t.clone() for n, t in sent.items()},
             clients,
             round_idx,
             loss_fn=self.dynamic_loss,
-            frozen=frozen,
+            context=context,
         )
         drift = {n: result.params[n] - sent[n] for n in self.trainable}
         self.store.scatter("gradient", clients, {n: state[n] - alpha * drift[n] for n in drift})

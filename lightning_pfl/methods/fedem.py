@@ -15,8 +15,8 @@ from lightning_pfl.models import build_network
 from lightning_pfl.validation import PositiveInt
 
 WEIGHTS = "mixture_weights"  # pi_t in personalized_params and the client store
-RECEIVED = "received."  # Theta^{k-1} in the loss's frozen tensors
-LOG_PI = "log_pi"  # log pi_t^{k-1} in the loss's frozen tensors
+RECEIVED = "received."  # Theta^{k-1} in the loss's context tensors
+LOG_PI = "log_pi"  # log pi_t^{k-1} in the loss's context tensors
 
 
 def component_losses(arch: Architecture, tensors: Params, x: Tensor, y: Tensor) -> Tensor:
@@ -50,7 +50,7 @@ class FedEM(FedAvg):
     the server sets each theta_m to the sample-weighted mean ``sum_t (n_t / n) theta_m,t`` of
     the uploaded components (FedAvg's update on :class:`~lightning_pfl.components.Components`).
     The q of a batch's samples are the E-step's numbers recomputed from the received Theta^{k-1}
-    and pi^{k-1} (passed frozen), which spares a per-sample table. Components start from
+    and pi^{k-1} (passed as context), which spares a per-sample table. Components start from
     different seeded initializations, pi_t at uniform 1/M; a client keeps its pi_t between the
     rounds it is sampled in. The personalized model predicts the mixture
     ``log sum_m pi_tm softmax(h_theta_m(x))`` with the current Theta.
@@ -76,12 +76,12 @@ class FedEM(FedAvg):
         self.store.add_field(WEIGHTS, {WEIGHTS: uniform})
 
     def em_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
         """``sum_m (1/B) sum_b q(z_b = m) l(h_theta_m(x_b), y_b)`` with the E-step's q."""
-        received = {n[len(RECEIVED) :]: t for n, t in frozen.items() if n.startswith(RECEIVED)}
-        rest = {n: t for n, t in frozen.items() if n != LOG_PI and not n.startswith(RECEIVED)}
-        q = responsibilities(frozen[LOG_PI], component_losses(self.components, received, x, y))
+        received = {n[len(RECEIVED) :]: t for n, t in context.items() if n.startswith(RECEIVED)}
+        rest = {n: t for n, t in context.items() if n != LOG_PI and not n.startswith(RECEIVED)}
+        q = responsibilities(context[LOG_PI], component_losses(self.components, received, x, y))
         logits, buffers = self.components.forward_train({**rest, **params}, x)
         losses = F.cross_entropy(
             logits.float().flatten(0, 1), y.repeat(logits.shape[0]), reduction="none"
@@ -108,14 +108,14 @@ class FedEM(FedAvg):
         log_pi = self.store.gather(WEIGHTS, clients, self.device)[WEIGHTS].log()
         self.store.scatter(WEIGHTS, clients, {WEIGHTS: self.mixture_weights(clients, log_pi)})
         received = {RECEIVED + n: t for n, t in self.payload(clients).items()}
-        frozen = received | {LOG_PI: log_pi}
+        context = received | {LOG_PI: log_pi}
         return self.local_train(
             start,
             clients,
             round_idx,
             groups=self.groups,
             loss_fn=self.em_loss,
-            frozen=frozen,
+            context=context,
             arch=self.components,
         )
 

@@ -46,7 +46,7 @@ class FedGen(FedAvg):
 
     The generated pairs of a round are drawn on the server for every client and local step
     (the generator is fixed within a round, so this is the same distribution as drawing them on
-    the client) and passed frozen; the loss reads the current step's row
+    the client) and passed as context; the loss reads the current step's row
     (:mod:`lightning_pfl.step_inputs`).
 
     Args:
@@ -96,19 +96,19 @@ class FedGen(FedAvg):
 
     # ----------------------------------------------------------------- client side
     def fedgen_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
         """Eq. 5 on one batch and the generated pairs of the step the clock points at."""
         h = self.hp
         clock = params[CLOCK]
         model = {n: t for n, t in params.items() if n != CLOCK}
-        rest = {n: t for n, t in frozen.items() if not n.startswith("generated.")}
+        rest = {n: t for n, t in context.items() if not n.startswith("generated.")}
         logits, buffers = self.arch.forward_train({**rest, **model}, x)
         loss = weighted_cross_entropy(logits, y, weight)
-        generated = self.arch.classify(model, at(frozen[GEN_Z], clock))
-        loss = loss + h.alpha * F.cross_entropy(generated.float(), at(frozen[GEN_Y], clock))
+        generated = self.arch.classify(model, at(context[GEN_Z], clock))
+        loss = loss + h.alpha * F.cross_entropy(generated.float(), at(context[GEN_Y], clock))
         if h.beta:
-            target = torch.softmax(self.arch.classify(model, at(frozen[GEN_TARGET], clock)), -1)
+            target = torch.softmax(self.arch.classify(model, at(context[GEN_TARGET], clock)), -1)
             kl = (target * (target.clamp_min(1e-12).log() - logits.float().log_softmax(-1))).sum(-1)
             loss = loss + h.beta * weighted_mean(kl, weight)
         loss = tick(loss, clock)
@@ -124,10 +124,10 @@ class FedGen(FedAvg):
         y_hat = sample_labels(
             self.label_prior, (len(clients), steps, h.generated_batch_size or h.batch_size), rng
         )
-        frozen = {GEN_Y: y_hat, GEN_Z: self.generator.sample(y_hat, rng)}
+        context = {GEN_Y: y_hat, GEN_Z: self.generator.sample(y_hat, rng)}
         if h.beta:
             _, labels = self.data.fetch(batches.index)
-            frozen[GEN_TARGET] = self.generator.sample(labels.to(self.device), rng)
+            context[GEN_TARGET] = self.generator.sample(labels.to(self.device), rng)
         self.round_label_counts = self.batch_label_counts(batches.index, batches.weight)
         return self.local_train(
             start | start_clock(len(clients), self.device),
@@ -135,7 +135,7 @@ class FedGen(FedAvg):
             round_idx,
             groups=[ParamGroup(self.model_names, self.local_sgd()), CLOCK_GROUP],
             loss_fn=self.fedgen_loss,
-            frozen=frozen,
+            context=context,
             batches=batches,
         )
 

@@ -76,12 +76,12 @@ class FedLC(FedAvg):
         return counts[clients.cpu()].to(self.device)
 
     def calibrated_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
         h = self.hp
-        rest = {n: t for n, t in frozen.items() if n != COUNTS}
+        rest = {n: t for n, t in context.items() if n != COUNTS}
         logits, buffers = self.arch.forward_train({**rest, **params}, x)
-        loss = calibrated_cross_entropy(logits, y, frozen[COUNTS], h.tau, weight, h.denominator)
+        loss = calibrated_cross_entropy(logits, y, context[COUNTS], h.tau, weight, h.denominator)
         return (loss, buffers) if buffers else loss
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
@@ -90,5 +90,5 @@ class FedLC(FedAvg):
             clients,
             round_idx,
             loss_fn=self.client_loss,
-            frozen={COUNTS: self.class_counts(clients)},
+            context={COUNTS: self.class_counts(clients)},
         )

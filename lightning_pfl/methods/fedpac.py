@@ -103,7 +103,7 @@ class FedPAC(FedAvg):
         heads = {n: t for n, t in start.items() if n in head or n in buffers}
         body = {n: t for n, t in start.items() if n not in head and n not in buffers}
         batches = self.draw_batches(clients, round_idx, epochs=self.hp.head_epochs, phase=1)
-        first = self.local_train(heads, clients, round_idx, frozen=body, batches=batches)
+        first = self.local_train(heads, clients, round_idx, context=body, batches=batches)
         c = len(clients)
         centroids = {
             "proto.value": self.centroids.expand(c, *self.centroids.shape),
@@ -116,7 +116,7 @@ class FedPAC(FedAvg):
             clients,
             round_idx,
             loss_fn=self.align_loss,
-            frozen=trained_head | centroids,
+            context=trained_head | centroids,
         )
         params = second.params | trained_head
         self._statistics = class_statistics(self, params, clients)

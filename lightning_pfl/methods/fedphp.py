@@ -125,12 +125,12 @@ class FedPHP(FedAvg):
         self.loss_fn = self.php_loss  # one object per run (recorded rounds are keyed by it)
 
     def php_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
         """``(1 - lambda) CE(w_k) + lambda L_kt(v_k -> w_k)`` (frozen ``hpm.*`` is v_k)."""
         h = self.hp
-        hpm = {n[4:]: t for n, t in frozen.items() if n.startswith("hpm.")}
-        own = {n: t for n, t in frozen.items() if not n.startswith("hpm.")}
+        hpm = {n[4:]: t for n, t in context.items() if n.startswith("hpm.")}
+        own = {n: t for n, t in context.items() if not n.startswith("hpm.")}
         model = {**own, **params}
         if h.distillation == "mmd":
             features = self.arch.features(model, x, train=True)
@@ -158,8 +158,8 @@ class FedPHP(FedAvg):
         hpm = self.store.gather("hpm", clients, self.device)
         if h.inherit > 0:
             start = self.starting_point(start, hpm)
-        frozen = {f"hpm.{n}": t for n, t in hpm.items()}
-        result = self.local_train(start, clients, round_idx, loss_fn=self.loss_fn, frozen=frozen)
+        context = {f"hpm.{n}": t for n, t in hpm.items()}
+        result = self.local_train(start, clients, round_idx, loss_fn=self.loss_fn, context=context)
         count = self.store.gather("count", clients, self.device)["participations"]
         rounds = h.total_rounds or (self.trainer.max_steps if self._trainer is not None else 1)
         participation = h.clients_per_round / h.num_clients

@@ -73,20 +73,20 @@ def aggregate_prototypes(
 def prototype_regularized_loss(arch: Architecture, lam: float) -> LossFn:
     """CE + lam * mean over the batch of ||f(x) - P_y||^2 / D (FedProto's and FedPAC's local loss).
 
-    ``frozen`` holds the model's frozen tensors plus ``proto.value`` ``[K, D]`` (P) and
+    ``context`` holds the model's frozen tensors plus ``proto.value`` ``[K, D]`` (P) and
     ``proto.present`` ``[K]``; samples whose class has no prototype add no regularization.
     The squared distance is averaged over the D feature dimensions (``nn.MSELoss``, as in
     both papers' code).
     """
 
     def loss(
-        params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+        params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
-        model = {n: t for n, t in frozen.items() if not n.startswith("proto.")} | params
+        model = {n: t for n, t in context.items() if not n.startswith("proto.")} | params
         buffers = {n: model[n].clone() for n in arch.buffer_shapes}
         z = arch.features({**model, **buffers}, x, train=True)
         ce = weighted_cross_entropy(arch.classify(model, z), y, w)
-        target, mask = frozen["proto.value"][y], frozen["proto.present"][y]
+        target, mask = context["proto.value"][y], context["proto.present"][y]
         distance = ((z.float() - target) ** 2).mean(-1) * mask
         total = ce + lam * weighted_mean(distance, w)
         return (total, buffers) if buffers else total
@@ -147,7 +147,7 @@ class FedProto(Local):
         params = self.store.gather("params", clients, self.device)
         momentum = self.store.gather("momentum", clients, self.device)
         result = self.local_train(
-            params, clients, round_idx, loss_fn=self.proto_loss, frozen=sent, momentum=momentum
+            params, clients, round_idx, loss_fn=self.proto_loss, context=sent, momentum=momentum
         )
         self.store.scatter("params", clients, result.params)
         self.store.scatter("momentum", clients, result.momentum)

@@ -17,17 +17,19 @@ ANCHOR = "anchor."
 def proximal_loss(base: LossFn, mu: float, names: tuple[str, ...]) -> LossFn:
     """``base + mu/2 * sum_n ||params[n] - anchor[n]||^2`` over the tensors ``names``.
 
-    The anchor is passed frozen, under ``"anchor." + name`` (see :func:`anchor`); ``base`` gets
-    the remaining frozen tensors. Shared by FedProx (anchor = the received global model) and
+    The anchor is passed as context, under ``"anchor." + name`` (see :func:`anchor`); ``base`` gets
+    the remaining context tensors. Shared by FedProx (anchor = the received global model) and
     Ditto (the personal model's regularizer towards the global model).
     """
 
     def loss(
-        params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
-        rest = {n: t for n, t in frozen.items() if not n.startswith(ANCHOR)}
+        rest = {n: t for n, t in context.items() if not n.startswith(ANCHOR)}
         out = base(params, rest, x, y, weight)
-        distance = torch.stack([((params[n] - frozen[ANCHOR + n]) ** 2).sum() for n in names]).sum()
+        distance = torch.stack(
+            [((params[n] - context[ANCHOR + n]) ** 2).sum() for n in names]
+        ).sum()
         prox = 0.5 * mu * distance
         if isinstance(out, tuple):
             return out[0] + prox, out[1]
@@ -68,5 +70,5 @@ class FedProx(FedAvg):
             clients,
             round_idx,
             loss_fn=self.prox_loss,
-            frozen=anchor(start, self.trainable),
+            context=anchor(start, self.trainable),
         )

@@ -60,7 +60,7 @@ class FedRep(FedAvg):
             {**head, **buffers},
             clients,
             round_idx,
-            frozen=weights,
+            context=weights,
             batches=self.draw_batches(clients, round_idx, h.head_epochs, HEAD_PHASE),
         )
         head = {n: head_stage.params[n] for n in head}
@@ -68,7 +68,7 @@ class FedRep(FedAvg):
             {**weights, **{n: head_stage.params[n] for n in buffers}},
             clients,
             round_idx,
-            frozen=head,
+            context=head,
             batches=self.draw_batches(clients, round_idx, h.body_epochs, BODY_PHASE),
         )
         steps = head_stage.steps + body_stage.steps

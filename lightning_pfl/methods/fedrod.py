@@ -56,9 +56,9 @@ class FedRoD(FedAvg):
         personal = F.linear(z.detach(), params[f"{PERSONAL}weight"], params[f"{PERSONAL}bias"])
         return self.arch.classify(net, z), personal
 
-    def rod_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    def rod_loss(self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
         generic, personal = self.logits(params, x, train=True)
-        balanced = balanced_softmax_cross_entropy(generic, y, frozen["class_counts"], w)
+        balanced = balanced_softmax_cross_entropy(generic, y, context["class_counts"], w)
         return balanced + weighted_cross_entropy(generic.detach() + personal, y, w)
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
@@ -68,7 +68,7 @@ class FedRoD(FedAvg):
             clients,
             round_idx,
             loss_fn=self.client_loss,
-            frozen={"class_counts": self.class_counts(clients)},
+            context={"class_counts": self.class_counts(clients)},
         )
         self.store.scatter("personal_head", clients, {n: result.params[n] for n in head})
         return result

@@ -157,8 +157,8 @@ class FedSimSup(FederatedMethod):
         """Cross-entropy of the summed logits q_theta(x) + q_s(x) of a type-``kind`` client."""
         supervisor = self.supervisors.archs[kind]
 
-        def loss(params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
-            logits = self.predict({**params, **frozen}, x, supervisor, train=True)
+        def loss(params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+            logits = self.predict({**params, **context}, x, supervisor, train=True)
             return weighted_cross_entropy(logits, y, w)
 
         return loss
@@ -193,13 +193,13 @@ class FedSimSup(FederatedMethod):
             loss_sum = torch.zeros(len(rows), device=self.device)
             steps = torch.zeros_like(loss_sum)
             for phase, batches in ((sup, supervisor_batches), (model, model_batches)):
-                frozen = model if phase is sup else sup
+                context = model if phase is sup else sup
                 result = self.local_train(
                     {n: t.clone() for n, t in phase.items()},
                     members,
                     round_idx,
                     loss_fn=loss_fn,
-                    frozen=frozen,
+                    context=context,
                     batches=batches.select(rows),
                 )
                 phase.update(result.params)

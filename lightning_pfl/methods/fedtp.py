@@ -223,10 +223,10 @@ class FedTPRoD(FedTP):
         return generic, personal
 
     def rod_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor:
-        generic, personal = self._logits({**frozen, **params}, x, True)
-        balanced = balanced_softmax_cross_entropy(generic, y, frozen["class_counts"], weight)
+        generic, personal = self._logits({**context, **params}, x, True)
+        balanced = balanced_softmax_cross_entropy(generic, y, context["class_counts"], weight)
         return balanced + weighted_cross_entropy(generic.detach() + personal, y, weight)
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
@@ -237,7 +237,7 @@ class FedTPRoD(FedTP):
             clients,
             round_idx,
             loss_fn=self.rod_loss,
-            frozen={"class_counts": counts[clients].float()},
+            context={"class_counts": counts[clients].float()},
         )
         self.store.scatter("rod_head", clients, {n: result.params[n] for n in heads})
         return result

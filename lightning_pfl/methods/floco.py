@@ -24,7 +24,7 @@ from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveI
 
 SIGNATURE_PHASE = 1  # the batches and simplex points of round tau's signature pass
 SIMPLEX = "simplex"  # the M endpoints of the classifier weight, stacked [M, ...]
-ALPHAS = "alphas"  # the round's sampled simplex points [S, M] in the loss's frozen tensors
+ALPHAS = "alphas"  # the round's sampled simplex points [S, M] in the loss's context tensors
 REGION = "subregion"  # client store: the center beta_i of each client's subregion
 
 
@@ -131,15 +131,15 @@ class Floco(FedAvg):
 
     # ----------------------------------------------------------------- client side
     def floco_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
         """Cross-entropy of the network whose classifier weight is ``W(alpha)``, alpha the
         current step's sample."""
         clock = params[CLOCK]
-        alpha = at(frozen[ALPHAS], clock)
+        alpha = at(context[ALPHAS], clock)
         model = {n: t for n, t in params.items() if n not in (CLOCK, SIMPLEX)}
         model[self.head_weight] = torch.einsum("m,m...->...", alpha, params[SIMPLEX])
-        rest = {n: t for n, t in frozen.items() if n != ALPHAS}
+        rest = {n: t for n, t in context.items() if n != ALPHAS}
         logits, buffers = self.arch.forward_train({**rest, **model}, x)
         loss = tick(weighted_cross_entropy(logits, y, weight), clock)
         return (loss, buffers) if buffers else loss
@@ -174,7 +174,7 @@ class Floco(FedAvg):
             round_idx,
             groups=[model, CLOCK_GROUP],
             loss_fn=self.floco_loss,
-            frozen={ALPHAS: alphas},
+            context={ALPHAS: alphas},
             batches=batches,
         )
 

@@ -50,7 +50,7 @@ class FML(FedAvg):
         self.loss_fn = self.mutual_loss  # one object per run (recorded rounds are keyed by it)
 
     def mutual_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor:
         """``L_local + L_meme`` of one client's batch (params ``meme.*`` and ``private.*``)."""
         h = self.hp

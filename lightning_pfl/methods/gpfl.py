@@ -125,13 +125,13 @@ class GPFL(FedAvg):
             f"{CONTEXT}embedding": embedding.detach().clone(),
         }
 
-    def gpfl_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    def gpfl_loss(self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
         h = self.hp
         z = self.arch.features(self.network(params), x, train=True)
-        f_personal = conditional_valve(params, z, frozen[f"{CONTEXT}personal"])
-        f_global = conditional_valve(params, z, frozen[f"{CONTEXT}global"])
+        f_personal = conditional_valve(params, z, context[f"{CONTEXT}personal"])
+        f_global = conditional_valve(params, z, context[f"{CONTEXT}global"])
         ce = weighted_cross_entropy(self.arch.classify(params, f_personal), y, w)
-        target = frozen[f"{CONTEXT}embedding"][y]
+        target = context[f"{CONTEXT}embedding"][y]
         distance = (((f_global - target) ** 2).sum(-1) * w).sum().sqrt()
         return ce + gce_loss(f_global, y, w, params[f"{GCE}embedding"]) + h.lam * distance
 
@@ -145,7 +145,7 @@ class GPFL(FedAvg):
             round_idx,
             groups=[ParamGroup(net, sgd), ParamGroup(self.extra_names, decayed)],
             loss_fn=self.client_loss,
-            frozen=self.contexts(start, clients),
+            context=self.contexts(start, clients),
         )
 
     def personalized_params(self, clients: Tensor) -> Params:

@@ -138,11 +138,11 @@ class MAPPER(FedAvg):
         self.store.scatter("local", clients, local)
 
     def mixture_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor:
         """NLL of the mixture of the local model with the received (frozen) global model."""
         local = split_prefixed(params, "local")[0]
-        received = split_prefixed(frozen, ANCHOR.rstrip("."))[0]
+        received = split_prefixed(context, ANCHOR.rstrip("."))[0]
         received_logits = self.arch(received, x, train=True)
         local_logits = self.arch(local, x, train=True)
         gate = params["gate"]
@@ -152,13 +152,13 @@ class MAPPER(FedAvg):
         return weighted_mean(F.nll_loss(mixed, y, reduction="none"), w)
 
     def mapper_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor:
         """``joint``: CE of the global model + NLL of the mixture with the received one."""
         glob = split_prefixed(params, "global")[0]
         global_logits = self.arch(glob, x, train=True)
         return weighted_cross_entropy(global_logits, y, w) + self.mixture_loss(
-            params, frozen, x, y, w
+            params, context, x, y, w
         )
 
     @privatizes(

@@ -299,7 +299,7 @@ class MHPFedHN(FederatedMethod):
             clients,
             round_idx,
             loss_fn=loss_fn,
-            frozen=read or None,
+            context=read or None,
             batches=batches,
             arch=arch,
         )

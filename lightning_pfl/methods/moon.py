@@ -144,9 +144,9 @@ class MOON(FedAvg):
             return z, self.arch.classify(net, features)
         return z, F.linear(z, params[OUT + "weight"], params[OUT + "bias"])
 
-    def moon_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    def moon_loss(self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
         z, logits = self.represent(params, x, train=True)
-        glob, previous = split_prefixed(frozen, "global", "previous")
+        glob, previous = split_prefixed(context, "global", "previous")
         z_glob = self.represent(glob, x)[0].detach()
         z_prev = self.represent(previous, x)[0].detach()
         contrastive = model_contrastive_loss(z, z_glob, z_prev, self.hp.temperature, w)
@@ -154,13 +154,13 @@ class MOON(FedAvg):
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
         previous = self.store.gather("previous", clients, self.device)
-        frozen = prefixed("global", start) | prefixed("previous", previous)
+        context = prefixed("global", start) | prefixed("previous", previous)
         result = self.local_train(
             {n: t.clone() for n, t in start.items()},
             clients,
             round_idx,
             loss_fn=self.client_loss,
-            frozen=frozen,
+            context=context,
         )
         self.store.scatter("previous", clients, result.params)
         return result

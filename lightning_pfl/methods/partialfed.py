@@ -90,15 +90,15 @@ class PartialFed(FedAvg):
         self.loss_fn = self.relaxed_loss  # one object per run (recorded rounds are keyed by it)
 
     def relaxed_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor:
         """Cross-entropy of the model mixing global and local layers by s_l: the relaxed
-        Bernoulli sample of this step when ``frozen`` holds the noise, else sigmoid(beta_l)."""
-        glob = {n[7:]: t for n, t in frozen.items() if n.startswith("global.")}
-        local = {n[6:]: t for n, t in frozen.items() if n.startswith("local.")}
+        Bernoulli sample of this step when ``context`` holds the noise, else sigmoid(beta_l)."""
+        glob = {n[7:]: t for n, t in context.items() if n.startswith("global.")}
+        local = {n[6:]: t for n, t in context.items() if n.startswith("local.")}
         beta = torch.stack([params[layer] for layer in self.layers])
-        if NOISE in frozen:
-            beta = (beta + at(frozen[NOISE], params[CLOCK])) / self.hp.select_temperature
+        if NOISE in context:
+            beta = (beta + at(context[NOISE], params[CLOCK])) / self.hp.select_temperature
         load = dict(zip(self.layers, torch.sigmoid(beta), strict=True))
         loss = self.cross_entropy(mix_layers(glob, local, load), {}, x, y, w)
         loss = loss[0] if isinstance(loss, tuple) else loss
@@ -132,17 +132,17 @@ class PartialFed(FedAvg):
         batches = ClientBatches(
             batches.index[:, steps], batches.weight[:, steps], batches.active[:, steps]
         )
-        frozen = {f"global.{n}": t for n, t in glob.items()}
-        frozen |= {f"local.{n}": t for n, t in local.items()}
+        context = {f"global.{n}": t for n, t in glob.items()}
+        context |= {f"local.{n}": t for n, t in local.items()}
         groups = [ParamGroup(self.layers, SGDConfig(h.select_lr))]
         if h.decision == "sampled":
-            decision, frozen[NOISE] = self.load_noise(round_idx, clients, batches.index.shape[1])
+            decision, context[NOISE] = self.load_noise(round_idx, clients, batches.index.shape[1])
             logits |= start_clock(len(clients), self.device)
             groups.append(CLOCK_GROUP)
         else:
             decision = torch.zeros(len(clients), len(self.layers), device=self.device)
         result = self.local_train(
-            logits, clients, round_idx, groups, self.loss_fn, frozen, batches=batches
+            logits, clients, round_idx, groups, self.loss_fn, context, batches=batches
         )
         beta = {layer: result.params[layer] for layer in self.layers}
         self.store.scatter("select", clients, beta)

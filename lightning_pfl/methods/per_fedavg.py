@@ -76,7 +76,7 @@ class PerFedAvg(FedAvg):
         # one object for every round: a recorded round (CUDA graph) is keyed by the loss
         self.client_loss = self.maml_loss
 
-    def maml_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    def maml_loss(self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
         h = self.hp
         parts = 2 if h.variant == "fo" else 3
         part = torch.arange(w.shape[0], device=w.device) * parts // w.shape[0]

@@ -156,8 +156,8 @@ class PFedGP(FedAvg):
     def marginal_likelihood_loss(self) -> LossFn:
         h = self.hp
 
-        def loss(params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
-            joined = {**params, **frozen}
+        def loss(params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+            joined = {**params, **context}
             z = self.extractor(joined, x, train=True)
             lengthscale, noise = self.kernel_hyperparameters(joined)
             return gp_negative_log_likelihood(

@@ -158,17 +158,17 @@ class PFedKT(FedAvg):
         }
         return functional_call(self._hn_template[0], {**hn_params, **buffers}, ())
 
-    def kt_loss(self, params: Params, frozen: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    def kt_loss(self, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
         h = self.hp
         logits = self.arch(params, x, train=True)
         ce = weighted_cross_entropy(logits, y, w)
         if not self.uses_con:
             return ce
-        global_params = {n[7:]: t for n, t in frozen.items() if n.startswith("global.")}
+        global_params = {n[7:]: t for n, t in context.items() if n.startswith("global.")}
         if h.contrastive == "l2":
             l_con = torch.stack([((params[n] - global_params[n]) ** 2).sum() for n in params]).sum()
         else:
-            previous = {n[5:]: t for n, t in frozen.items() if n.startswith("prev.")}
+            previous = {n[5:]: t for n, t in context.items() if n.startswith("prev.")}
             positive = logit_distance(self.arch(global_params, x).detach(), logits, h.distance, w)
             negative = logit_distance(self.arch(previous, x).detach(), logits, h.distance, w)
             if h.contrastive == "triplet":
@@ -198,15 +198,15 @@ class PFedKT(FedAvg):
             pm, hn = self.private_start(clients, stored)
         else:
             pm = start
-        frozen = {f"global.{n}": t for n, t in start.items()}
+        context = {f"global.{n}": t for n, t in start.items()}
         if self.uses_con:
-            frozen |= {f"prev.{n}": t for n, t in stored.items()}
+            context |= {f"prev.{n}": t for n, t in stored.items()}
         result = self.local_train(
             {n: t.clone() for n, t in pm.items()},
             clients,
             round_idx,
             loss_fn=self.kt_loss,
-            frozen=frozen,
+            context=context,
         )
         if self.uses_hn:
             names = list(self.arch.shapes)

@@ -102,7 +102,7 @@ class PFedMe(FedAvg):
         return torch.optim.SGD(self.net.parameters(), lr=self.hp.beta)
 
     def pfedme_loss(
-        self, params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        self, params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor:
         h = self.hp
         w = {n: params[n] for n in self.arch.shapes}

@@ -16,17 +16,17 @@ CORRECTION = "correction"
 
 
 def linear_loss(base: LossFn, names: tuple[str, ...], prefix: str) -> LossFn:
-    """``base + sum_n <params[n], frozen[prefix.n]>``: the loss whose gradient is the base
+    """``base + sum_n <params[n], context[prefix.n]>``: the loss whose gradient is the base
     gradient plus the frozen per-client coefficient (SCAFFOLD's ``c - c_i``, FedDyn's
-    ``-grad L_k(theta_k^{t-1})``). ``base`` gets the frozen tensors without the prefix."""
+    ``-grad L_k(theta_k^{t-1})``). ``base`` gets the context tensors without the prefix."""
     head = prefix + "."
 
     def loss(
-        params: Params, frozen: Params, x: Tensor, y: Tensor, weight: Tensor
+        params: Params, context: Params, x: Tensor, y: Tensor, weight: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
-        rest = {n: t for n, t in frozen.items() if not n.startswith(head)}
+        rest = {n: t for n, t in context.items() if not n.startswith(head)}
         out = base(params, rest, x, y, weight)
-        linear = torch.stack([(params[n] * frozen[head + n]).sum() for n in names]).sum()
+        linear = torch.stack([(params[n] * context[head + n]).sum() for n in names]).sum()
         if isinstance(out, tuple):
             return out[0] + linear, out[1]
         return out + linear
@@ -95,7 +95,7 @@ class SCAFFOLD(FedAvg):
             clients,
             round_idx,
             loss_fn=self.corrected_loss,
-            frozen=prefixed(CORRECTION, correction),
+            context=prefixed(CORRECTION, correction),
         )
         steps = result.steps.to(self.device).clamp_min(1) * self.hp.local_lr  # K eta_l
         delta_c = {n: (sent[n] - result.params[n]) / per_client(steps, sent[n]) - c[n] for n in c}
