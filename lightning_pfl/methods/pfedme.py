@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -22,6 +22,8 @@ from lightning_pfl.validation import (
 )
 
 THETA = "theta."
+LocalUpdates = Literal["all", "sampled"]
+Aggregation = Literal["uniform", "weighted"]
 
 
 def moreau_solve(
@@ -89,8 +91,8 @@ class PFedMe(FedAvg):
         personal_lr: PositiveFloat = 0.1,
         inner_steps: PositiveInt = 5,
         beta: PositiveFloat = 1.0,
-        local_updates: Literal["all", "sampled"] = "all",
-        aggregation: Literal["uniform", "weighted"] = "uniform",
+        local_updates: LocalUpdates = "all",
+        aggregation: Aggregation = "uniform",
         local_lr: PositiveFloat = 0.005,
         local_momentum: Momentum = 0.0,
         local_weight_decay: NonNegativeFloat = 0.0,
@@ -99,6 +101,14 @@ class PFedMe(FedAvg):
     ) -> None:
         if kwargs.get("server_lr", 1.0) != 1.0 or kwargs.get("server_momentum", 0.0) != 0.0:
             raise ConfigError("pFedMe's server step is beta: set model.init_args.beta.")
+        for name, value, choices in (
+            ("local_updates", local_updates, get_args(LocalUpdates)),
+            ("aggregation", aggregation, get_args(Aggregation)),
+        ):
+            if value not in choices:
+                raise ConfigError(
+                    f"model.init_args.{name} = {value!r} must be one of {', '.join(choices)}."
+                )
         super().__init__(
             local_lr=local_lr,
             local_momentum=local_momentum,
