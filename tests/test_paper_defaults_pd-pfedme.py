@@ -96,7 +96,7 @@ def test_communication_counts_what_is_sent_and_uploaded(local_updates: str) -> N
     model = payload_bytes(method.global_state())
     fit(method, dm, rounds=1)
     receivers = 6 if local_updates == "all" else 2  # Algorithm 1 sends w to every client
-    assert method.comm_bytes_total.tolist() == [receivers * model, 2 * model]
+    assert method.record.comm_bytes_total.tolist() == [receivers * model, 2 * model]
 
 
 @pytest.mark.parametrize("local_updates", ["all", "sampled"])
