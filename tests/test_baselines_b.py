@@ -241,7 +241,15 @@ def test_pfedme_step_moves_w_along_the_moreau_gradient_and_keeps_theta() -> None
 
 def test_pfedme_mixes_with_beta_and_evaluates_theta() -> None:
     dm = digits_data(6)
-    method = build(PFedMe, dm, clients_per_round=2, beta=0.5, local_lr=0.05)
+    method = build(
+        PFedMe,
+        dm,
+        clients_per_round=2,
+        beta=0.5,
+        local_lr=0.05,
+        local_updates="sampled",
+        aggregation="weighted",
+    )
     before = {n: t.clone() for n, t in method.global_state().items()}
     trained = capture_local_training(method)
     clients = torch.tensor([2, 3])
