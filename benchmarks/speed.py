@@ -27,9 +27,10 @@ evaluation excluded) after one warm-up round, which includes compilation and gra
 and is reported apart; the paths of a setting take turns round by round, and each reports the
 median of its rounds.
 
-``--job N`` times ``N`` one-client-per-round pFedHN runs (seeds 0..N-1) through ``lightning-pfl
-fit`` as one job (``--runs.seeds``, the runs' local training shared) against the same runs one
-after another, wall clock of the whole command each (building, data, training, no validation),
+``--job N`` times ``N`` one-client-per-round pFedHN runs (seeds 0..N-1; with ``--job-lrs`` every
+seed at every local learning rate, ``--runs.grid``) through ``lightning-pfl fit`` as one job
+(``--runs.seeds``, the runs' local training shared) against the same runs one after another,
+wall clock of the whole command each (building, data, training, no validation),
 on ``--job-configs`` (default: the digits protocol; add
 ``configs/fashion_mnist_pfedhn_table1/pfedhn.yaml`` with ``--job-root`` for FashionMNIST), and
 reports run-rounds per second of both and their ratio.
@@ -386,6 +387,7 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
     from lightning_pfl.cli import run
 
     seeds = list(range(args.job))
+    lrs: list[float | None] = list(args.job_lrs) if args.job_lrs else [None]
     common = [
         "fit",
         f"--config={config}",
@@ -402,26 +404,37 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as logs:
         start = time.perf_counter()
         for seed in seeds:
-            run(
-                [
-                    *common,
-                    f"--trainer.logger.init_args.save_dir={logs}/alone_{seed}",
-                    f"--model.init_args.seed={seed}",
-                    f"--data.init_args.seed={seed}",
-                ]
-            )
+            for lr in lrs:
+                run(
+                    [
+                        *common,
+                        f"--trainer.logger.init_args.save_dir={logs}/alone_{seed}_{lr}",
+                        f"--model.init_args.seed={seed}",
+                        f"--data.init_args.seed={seed}",
+                        *([f"--model.init_args.local_lr={lr}"] if lr is not None else []),
+                    ]
+                )
         alone = time.perf_counter() - start
+        grid = [f'--runs.grid={{"model.init_args.local_lr": {lrs}}}'] if args.job_lrs else []
         start = time.perf_counter()
         cli = run(
-            [*common, f"--trainer.logger.init_args.save_dir={logs}/job", f"--runs.seeds={seeds}"]
+            [
+                *common,
+                f"--trainer.logger.init_args.save_dir={logs}/job",
+                f"--runs.seeds={seeds}",
+                *grid,
+            ]
         )
         together = time.perf_counter() - start
     assert cli.job is not None
     lockstep = cli.job.lockstep
-    run_rounds = args.job * args.job_rounds
+    runs = len(seeds) * len(lrs)
+    run_rounds = runs * args.job_rounds
     row = {
         "config": config,
-        "runs": args.job,
+        "runs": runs,
+        "seeds": seeds,
+        "local_lrs": args.job_lrs,
         "rounds": args.job_rounds,
         "one_after_another_seconds": alone,
         "job_seconds": together,
@@ -433,7 +446,7 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
         "trained_apart_because": sorted(lockstep.apart_reasons),
     }
     print(
-        f"job of {args.job} x {args.job_rounds} rounds, {config}: one after another "
+        f"job of {runs} x {args.job_rounds} rounds, {config}: one after another "
         f"{alone:.1f} s, as one job {together:.1f} s: {row['throughput_ratio']:.2f}x",
         flush=True,
     )
@@ -467,6 +480,13 @@ def main() -> None:
     parser.add_argument("--e2e-paths", nargs="+", default=["vectorized", "vectorized-graphs"])
     parser.add_argument("--job", type=int, default=0, help="runs of a job (0: no job timing)")
     parser.add_argument("--job-rounds", type=int, default=50)
+    parser.add_argument(
+        "--job-lrs",
+        type=float,
+        nargs="+",
+        default=None,
+        help="a local_lr grid: the job trains every seed at every value (--runs.grid)",
+    )
     parser.add_argument("--job-configs", nargs="+", default=["configs/digits/pfedhn.yaml"])
     parser.add_argument("--job-root", default=None, help="data.init_args.root of the job runs")
     parser.add_argument("--out", required=True)

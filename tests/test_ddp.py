@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_pfl.cli import run
+
 ROOT = Path(__file__).parents[1]
 
 
-def fit(config: Path, save_dir: Path, *extra: str) -> tuple[dict, dict]:  # type: ignore[type-arg]
-    command = [
-        sys.executable,
-        str(ROOT / "cli.py"),
+def fit(config: Path, save_dir: Path, *extra: str, processes: int = 1) -> tuple[dict, dict]:  # type: ignore[type-arg]
+    """Fit ``config`` for 3 rounds with one CPU thread per process: in this process (the
+    reference), or as a fresh interpreter launching ``processes`` DDP ranks."""
+    args = [
         "fit",
         f"--config={config}",
         f"--trainer.logger.init_args.save_dir={save_dir}",
@@ -31,11 +33,21 @@ def fit(config: Path, save_dir: Path, *extra: str) -> tuple[dict, dict]:  # type
         "--model.init_args.log_figures=false",
         *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        command, cwd=save_dir.parent, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    if processes == 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            run(args)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        ddp = ["--trainer.strategy=ddp", f"--trainer.devices={processes}"]
+        command = [sys.executable, str(ROOT / "cli.py"), *args, *ddp]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(
+            command, cwd=save_dir.parent, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
     run_dir = save_dir / "conf" / config.stem / "version_0"
     results = json.loads((run_dir / "results.json").read_text())
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
@@ -71,14 +83,7 @@ def test_two_process_ddp_equals_single_process(
 ) -> None:
     config = ROOT / "tests" / "conf" / f"{method}.yaml"
     single, single_state = fit(config, tmp_path / "single", *extra)
-    ddp, ddp_state = fit(
-        config,
-        tmp_path / "ddp",
-        *extra,
-        "--trainer.strategy=ddp",
-        "--trainer.devices=2",
-        "--trainer.accelerator=cpu",
-    )
+    ddp, ddp_state = fit(config, tmp_path / "ddp", *extra, "--trainer.accelerator=cpu", processes=2)
     for name, tensor in single_state["state_dict"].items():
         torch.testing.assert_close(
             ddp_state["state_dict"][name], tensor, rtol=1e-4, atol=1e-5, msg=name
