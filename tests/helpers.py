@@ -127,3 +127,11 @@ def assert_resume_is_exact(config: Path, tmp_path: Path, *extra: str) -> None:
         for name, tensor in tensors.items():
             assert torch.equal(tensor, b["pfl"]["client_state"][field][name]), (field, name)
     assert str(a["optimizer_states"]) == str(b["optimizer_states"])
+
+
+def bias_only(method: FederatedMethod, bias: list[float]) -> dict[str, torch.Tensor]:
+    """Parameters of ``method``'s ``digits_cnn`` whose logits are ``bias`` for every input (all
+    weights zero)."""
+    params = {n: torch.zeros_like(t) for n, t in method.arch.initial_params().items()}
+    params["fc2.bias"] = torch.tensor(bias)
+    return params

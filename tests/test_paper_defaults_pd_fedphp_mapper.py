@@ -18,15 +18,9 @@ from tests.helpers import (
     CONF,
     assert_resume_is_exact,
     assert_vectorized_equals_sequential,
+    bias_only,
     capture_local_training,
 )
-
-
-def bias_only(method: FedPHP, bias: list[float]) -> dict[str, torch.Tensor]:
-    """Parameters whose logits are ``bias`` for every input (all weights zero)."""
-    params = {n: torch.zeros_like(t) for n, t in method.arch.initial_params().items()}
-    params["fc2.bias"] = torch.tensor(bias)
-    return params
 
 
 def softmax(z: list[float]) -> list[float]:
