@@ -1,8 +1,9 @@
 """Range-checked arguments: ``Annotated[float, Range(gt=0)]`` on an ``__init__`` argument.
 
 Every method, DataModule and partitioner calls :func:`check_arguments` on its own arguments
-before it builds anything, so a value outside its range stops the run at once with the
-argument's config key, the value and the allowed range. The annotation also shows in
+before it builds anything, so a value outside its range (or a ``Literal[...]`` argument's
+choices) stops the run at once with the argument's config key, the value and what is allowed,
+also when the class is built in Python rather than through the CLI. The annotation also shows in
 ``--help`` (jsonargparse prints the type).
 """
 
@@ -75,6 +76,21 @@ def _ranges_in(hint: Any) -> list[Range]:
     return []
 
 
+def _choices_in(hint: Any) -> tuple[Any, ...] | None:
+    """The values a ``Literal[...]`` hint allows (through Annotated and Optional); None when the
+    hint admits anything else."""
+    if typing.get_origin(hint) is Annotated:
+        return _choices_in(typing.get_args(hint)[0])
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        parts = [_choices_in(arg) for arg in members]
+        if members and all(part is not None for part in parts):
+            return tuple(c for part in parts for c in part)  # type: ignore[union-attr]
+    return None
+
+
 def _element_hint(hint: Any) -> Any | None:
     """The element type of a tuple/list hint (``tuple[X, ...]``, ``list[X]``), else None."""
     for candidate in [hint, *typing.get_args(hint)]:
@@ -105,7 +121,8 @@ def check_arguments(
     section: str,
     error: type[ConfigError] = ConfigError,
 ) -> None:
-    """Raise one ``error`` listing every value in ``values`` outside its annotated Range.
+    """Raise one ``error`` listing every value in ``values`` outside its annotated Range or
+    ``Literal`` choices.
 
     Args:
         owner: the object (or class) whose ``__init__`` annotations define the ranges.
@@ -117,6 +134,11 @@ def check_arguments(
     problems = []
     for name, value in values.items():
         if name not in hints or value is None or isinstance(value, bool):
+            continue
+        choices = _choices_in(hints[name])
+        if choices is not None and value not in choices:
+            listed = ", ".join(map(str, choices))
+            problems.append(f"{config_key(section, name)} = {value!r} must be one of {listed}")
             continue
         checks = [(value, r) for r in _ranges_in(hints[name])]
         element = _element_hint(hints[name])

@@ -14,7 +14,10 @@ from lightning import Trainer
 from lightning_pfl.cli import LINKED_FROM_DATA, PFLCLI, main, run
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.messages import user_error
+from lightning_pfl.methods.partialfed import PartialFed
 from lightning_pfl.trainer_settings import TRAINER_RULES, check_trainer
+from lightning_pfl.validation import check_arguments
+from tests.conftest import build, digits_data
 from tests.data.fake_datasets import write_mnist
 from tests.helpers import CONF, cli
 
@@ -313,3 +316,26 @@ def test_supported_trainer_flags_run_and_change_no_result(
     assert code == 0 and "results: not written (trainer.logger is off)" in out
     assert "last round 2" in out
     assert (tmp_path / "no_logger" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_choice_outside_its_literal_is_refused_in_python_too() -> None:
+    """``check_arguments`` refuses a value outside an argument's ``Literal[...]`` (through
+    Optional) for a class built in Python, where jsonargparse does not check it, and accepts
+    every listed choice and None."""
+
+    class Owner:
+        def __init__(
+            self,
+            mode: typing.Literal["a", "b"] = "a",
+            maybe: typing.Literal["x"] | None = None,
+            loose: typing.Literal["auto"] | int = "auto",
+        ) -> None:
+            pass
+
+    check_arguments(Owner, {"mode": "b", "maybe": None, "loose": 3}, "model")
+    with pytest.raises(ConfigError, match=r"model.init_args.mode = 'c' must be one of a, b"):
+        check_arguments(Owner, {"mode": "c"}, "model")
+    with pytest.raises(ConfigError, match=r"model.init_args.maybe = 'y' must be one of x"):
+        check_arguments(Owner, {"maybe": "y"}, "model")
+    with pytest.raises(ConfigError, match="model.init_args.decision = 'always'"):
+        build(PartialFed, digits_data(4), decision="always")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,6 @@ from lightning_pfl.engine import (
     split_prefixed,
     weighted_cross_entropy,
 )
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat, PositiveInt
@@ -80,12 +79,6 @@ class MOON(FedAvg):
         classifier_input: ClassifierInput = "projection",
         **kwargs: Any,
     ) -> None:
-        if classifier_input not in get_args(ClassifierInput):
-            raise ConfigError(
-                f"model.init_args.classifier_input = {classifier_input!r}: use projection (the "
-                "paper's output layer on the projection head) or features (the network's "
-                "classifier)."
-            )
         super().__init__(**kwargs)
         self.refuse_batch_norm("MOON reads representations")
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))

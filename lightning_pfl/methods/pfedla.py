@@ -9,7 +9,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pfl.engine import Params
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.validation import Momentum, PositiveFloat, PositiveInt
 
@@ -117,11 +116,6 @@ class PFedLA(FederatedMethod):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if weight_normalization not in ("relu_sum", "softmax"):
-            raise ConfigError(
-                f"model.init_args.weight_normalization = {weight_normalization!r} is not one of "
-                "'relu_sum', 'softmax'. Change it in the config file or on the command line."
-            )
         self.refuse_batch_norm("pFedLA mixes whole models layer by layer")
         names = list(self.arch.shapes)
         self.layers = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -101,14 +101,6 @@ class PFedMe(FedAvg):
     ) -> None:
         if kwargs.get("server_lr", 1.0) != 1.0 or kwargs.get("server_momentum", 0.0) != 0.0:
             raise ConfigError("pFedMe's server step is beta: set model.init_args.beta.")
-        for name, value, choices in (
-            ("local_updates", local_updates, get_args(LocalUpdates)),
-            ("aggregation", aggregation, get_args(Aggregation)),
-        ):
-            if value not in choices:
-                raise ConfigError(
-                    f"model.init_args.{name} = {value!r} must be one of {', '.join(choices)}."
-                )
         super().__init__(
             local_lr=local_lr,
             local_momentum=local_momentum,
