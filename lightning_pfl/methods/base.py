@@ -77,6 +77,13 @@ if TYPE_CHECKING:
     from lightning_pfl.assignment import NetworkGroups
 
 
+# The methods whose novel_adaptation adapts a new client (named in the callback's refusals).
+ADAPTS_NOVEL_CLIENTS = (
+    "PFedHN, PFedHNPC, MHPFedHN, MHPFedHNG, MHPFedHNGD, FedAvg, FedPer, LGFedAvg, PerFedAvg or "
+    "Local"
+)
+
+
 @dataclass
 class NovelAdaptation:
     """What held-out novel clients adapt after training
@@ -293,9 +300,8 @@ class FederatedMethod(LightningModule, ABC):
         client, and the callback is refused."""
         raise ConfigError(
             f"trainer.callbacks NovelClients: {type(self).__name__} does not say how a new "
-            "client adapts, so novel clients cannot be evaluated; use PFedHN, PFedHNPC, "
-            "MHPFedHN, MHPFedHNG, MHPFedHNGD, FedAvg, FedPer, LGFedAvg, PerFedAvg or Local, or "
-            "remove the callback."
+            f"client adapts, so novel clients cannot be evaluated; use {ADAPTS_NOVEL_CLIENTS}, "
+            "or remove the callback."
         )
 
     def novel_loss(self, params: Callable[[], Params]) -> Callable[[Tensor, Tensor], Tensor]:

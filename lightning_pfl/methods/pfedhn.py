@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lightning_pfl.engine import Architecture, Params
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
+from lightning_pfl.methods.base import ADAPTS_NOVEL_CLIENTS, FederatedMethod, NovelAdaptation
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import (
     DEFAULT_FEATURE_SCALE,
@@ -272,8 +272,7 @@ class PFedHN(FederatedMethod):
             raise ConfigError(
                 f"trainer.callbacks NovelClients: {type(self).__name__}'s hypernetwork has no "
                 "trainable embedding per client (``hnet.embeddings``), so novel clients cannot "
-                "adapt; use PFedHN, PFedHNPC, MHPFedHN, MHPFedHNG, MHPFedHNGD, FedAvg, FedPer, "
-                "LGFedAvg, PerFedAvg or Local, or remove the callback."
+                f"adapt; use {ADAPTS_NOVEL_CLIENTS}, or remove the callback."
             )
         with torch.no_grad():
             unknown = sorted(set(self.hnet(clients)) - set(self.personalized_params(clients)))
