@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_pfl.engine import (
     Params,
@@ -81,13 +81,22 @@ class FedAvg(FederatedMethod):
         return self.local_train(start, clients, round_idx)
 
     # ----------------------------------------------------------------- the round
+    def shared_extras(self) -> dict[str, nn.Parameter]:
+        """Server parameters beyond the network that belong to the global model, by their name
+        in it (a projection head, a kernel, a policy network): sent, trained and averaged with
+        the network's tensors and stepped by the server optimizer. Default: none."""
+        return {}
+
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
         h = self.hp
-        return torch.optim.SGD(self.net.parameters(), lr=h.server_lr, momentum=h.server_momentum)
+        params = [*self.net.parameters(), *self.shared_extras().values()]
+        return torch.optim.SGD(params, lr=h.server_lr, momentum=h.server_momentum)
 
     def global_state(self) -> Params:
-        """The server's model: parameters and buffers by name (detached)."""
-        return {n: t.detach() for n, t in self.net.state_dict(keep_vars=True).items()}
+        """The server's model: parameters and buffers by name, then :meth:`shared_extras`
+        (detached)."""
+        state = {n: t.detach() for n, t in self.net.state_dict(keep_vars=True).items()}
+        return state | {n: p.detach() for n, p in self.shared_extras().items()}
 
     def payload(self, clients: Tensor) -> Params:
         """What the server sends to ``clients``: the shared tensors, expanded ``[C, ...]``."""
@@ -139,6 +148,8 @@ class FedAvg(FederatedMethod):
         for name, b in self.net.named_buffers():
             if name in trained:
                 b.copy_(client_mean(trained[name], weights))
+        for name, p in self.shared_extras().items():
+            p.grad = p.detach() - client_mean(trained[name], weights).to(p.dtype)
 
     def personalized_params(self, clients: Tensor) -> Params:
         params = self.payload(clients)

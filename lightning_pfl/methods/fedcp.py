@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pfl.engine import Params, client_mean, weighted_cross_entropy
+from lightning_pfl.engine import Params, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedproto import feature_dim
@@ -100,14 +100,9 @@ class FedCP(FedAvg):
                 )
         self.client_loss = self.policy_loss  # one object: a recorded round is keyed by it
 
-    def configure_server_optimizer(self) -> torch.optim.Optimizer:
-        h = self.hp
-        params = [*self.net.parameters(), *self.cpn.parameters()]
-        return torch.optim.SGD(params, lr=h.server_lr, momentum=h.server_momentum)
-
-    def global_state(self) -> Params:
-        cpn = {f"{CPN}{k}": p.detach() for k, p in self.cpn.items()}
-        return super().global_state() | cpn
+    def shared_extras(self) -> dict[str, nn.Parameter]:
+        """The conditional policy network."""
+        return {f"{CPN}{k}": p for k, p in self.cpn.items()}
 
     def outputs(self, params: Params, x: Tensor, noise: bool, train: bool = False) -> Tensor:
         """head_p(h * r) + head_g(h * s) for one client (``params``: its model, the global head
@@ -146,11 +141,6 @@ class FedCP(FedAvg):
         self.aggregate(uploaded, self.client_weights(clients))
         self.record_communication(down=sent, up=uploaded)
         return result.loss
-
-    def aggregate(self, trained: Params, weights: Tensor) -> None:
-        super().aggregate(trained, weights)
-        for k, p in self.cpn.items():
-            p.grad = p.detach() - client_mean(trained[f"{CPN}{k}"], weights).to(p.dtype)
 
     def personalized_params(self, clients: Tensor) -> Params:
         state = self.global_state()

@@ -14,7 +14,6 @@ from lightning_pfl.engine import (
     Params,
     SGDConfig,
     TrainResult,
-    client_mean,
     weighted_cross_entropy,
 )
 from lightning_pfl.methods.fedavg import FedAvg
@@ -99,19 +98,9 @@ class GPFL(FedAvg):
     def personal_names(self) -> tuple[str, ...]:
         return self.arch.head_names
 
-    def configure_server_optimizer(self) -> torch.optim.Optimizer:
-        h = self.hp
-        params = [*self.net.parameters(), *self.extra.parameters()]
-        return torch.optim.SGD(params, lr=h.server_lr, momentum=h.server_momentum)
-
-    def global_state(self) -> Params:
-        return super().global_state() | {n: self.extra[_key(n)].detach() for n in self.extra_names}
-
-    def aggregate(self, trained: Params, weights: Tensor) -> None:
-        super().aggregate(trained, weights)
-        for name in self.extra_names:
-            p = self.extra[_key(name)]
-            p.grad = p.detach() - client_mean(trained[name], weights).to(p.dtype)
+    def shared_extras(self) -> dict[str, nn.Parameter]:
+        """The GCE and CoV modules' tensors."""
+        return {n: self.extra[_key(n)] for n in self.extra_names}
 
     def contexts(self, params: Params, clients: Tensor) -> Params:
         """Conditional inputs from the clients' GCE (``params``, stacked) and label shares."""

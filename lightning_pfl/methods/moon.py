@@ -12,7 +12,6 @@ from lightning_pfl.engine import (
     Architecture,
     Params,
     TrainResult,
-    client_mean,
     prefixed,
     split_prefixed,
     weighted_cross_entropy,
@@ -95,36 +94,26 @@ class MOON(FedAvg):
         # one object for every round: a recorded round (CUDA graph) is keyed by the loss
         self.client_loss = self.moon_loss
 
-    def own_modules(self) -> dict[str, nn.Module]:
-        """The parts beyond the network, by the prefix of their tensors."""
-        return {PROJ: self.projection} | ({} if self.output is None else {OUT: self.output})
+    def shared_extras(self) -> dict[str, nn.Parameter]:
+        """The projection head and the output layer, by the prefix of their tensors."""
+        modules = {PROJ: self.projection} | ({} if self.output is None else {OUT: self.output})
+        return {prefix + n: p for prefix, m in modules.items() for n, p in m.named_parameters()}
 
-    def network_names(self) -> tuple[str, ...]:
-        """The network's tensors in the model (without its classifier when the output layer
-        replaces it)."""
-        dropped = () if self.output is None else self.arch.head_names
-        names = (*self.arch.shapes, *self.arch.buffer_shapes)
-        return tuple(n for n in names if n not in dropped)
+    def dropped_names(self) -> tuple[str, ...]:
+        """The network's tensors outside the model: its classifier when the output layer
+        replaces it."""
+        return () if self.output is None else self.arch.head_names
 
     def configure_server_optimizer(self) -> torch.optim.Optimizer:
         h = self.hp
-        kept = set(self.network_names())
-        params = [p for n, p in self.net.named_parameters() if n in kept]
-        params += [p for module in self.own_modules().values() for p in module.parameters()]
+        dropped = self.dropped_names()
+        params = [p for n, p in self.net.named_parameters() if n not in dropped]
+        params += self.shared_extras().values()
         return torch.optim.SGD(params, lr=h.server_lr, momentum=h.server_momentum)
 
     def global_state(self) -> Params:
-        state = super().global_state()
-        state = {n: state[n] for n in self.network_names()}
-        for prefix, module in self.own_modules().items():
-            state |= {prefix + n: p.detach() for n, p in module.named_parameters()}
-        return state
-
-    def aggregate(self, trained: Params, weights: Tensor) -> None:
-        super().aggregate(trained, weights)
-        for prefix, module in self.own_modules().items():
-            for name, p in module.named_parameters():
-                p.grad = p.detach() - client_mean(trained[prefix + name], weights).to(p.dtype)
+        dropped = self.dropped_names()
+        return {n: t for n, t in super().global_state().items() if n not in dropped}
 
     def represent(self, params: Params, x: Tensor, train: bool = False) -> tuple[Tensor, Tensor]:
         """Projected representation z and logits of one model (its network, projection and

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pfl.engine import LossFn, Params, TrainResult, client_mean
+from lightning_pfl.engine import LossFn, Params, TrainResult
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.validation import PositiveFloat
@@ -166,20 +166,9 @@ class PFedGP(FedAvg):
 
         return loss
 
-    def configure_server_optimizer(self) -> torch.optim.Optimizer:
-        h = self.hp
-        params = [*self.net.parameters(), *self.kernel.parameters()]
-        return torch.optim.SGD(params, lr=h.server_lr, momentum=h.server_momentum)
-
-    def global_state(self) -> Params:
-        """The extractor's state and, with ``learn_kernel``, the kernel tensors (detached)."""
-        kernel = {f"gp.{n}": p.detach() for n, p in self.kernel.items()}
-        return super().global_state() | kernel
-
-    def aggregate(self, trained: Params, weights: Tensor) -> None:
-        super().aggregate(trained, weights)
-        for name, p in self.kernel.items():
-            p.grad = p.detach() - client_mean(trained[f"gp.{name}"], weights).to(p.dtype)
+    def shared_extras(self) -> dict[str, nn.Parameter]:
+        """With ``learn_kernel``, the kernel tensors (``gp.log_lengthscale``, ``gp.log_noise``)."""
+        return {f"gp.{n}": p for n, p in self.kernel.items()}
 
     def payload(self, clients: Tensor) -> Params:
         """The extractor (and kernel) only: the classifier layer is replaced by the GP."""
