@@ -59,6 +59,7 @@ def chosen(run: Path) -> dict[str, object]:
     top = torch.cat(largest)
     return {
         "round": checkpoint["pfl"]["round"],
+        "temperature": method.hp.temperature,
         "lambda_per_client": [round(float(w), 2) for w in params["memory.knn_weight"]],
         "val_knn_largest_probability_mean": round(float(top.mean()), 4),
         "val_share_knn_largest_probability_above_0.99": round(
@@ -81,7 +82,9 @@ def main(log_dir: Path) -> None:
         "kNN-Per's lambda_m per client (knn_weight: null, the grid of 101 values in [0, 1]), "
         "chosen on each client's validation split with the global model and memory of the last "
         "round (the paper's protocol: lambda fitted for the trained global model) of the digits "
-        "runs (configs/digits/knn_per.yaml, --rounds-scale 0.5); made by chosen_lambdas.py"
+        "runs (configs/digits/knn_per.yaml, --rounds-scale 0.5), at each run's kernel "
+        "temperature (null: the feature dimension D = 64 of digits_cnn, the default); made by "
+        "chosen_lambdas.py"
     )
     print(json.dumps({"note": note, "commit": commit, "runs": runs}, indent=2))
 
