@@ -3,7 +3,9 @@
     python benchmarks/results/digits_knn_per_lambda/chosen_lambdas.py LOG_DIR > OUT.json
 
 LOG_DIR: the ``--log-dir`` of ``python -m benchmarks.accuracy --setting digits --methods
-knn_per --seeds 0 1 2 --rounds-scale 0.5`` (its runs' ``checkpoints/last.ckpt``).
+knn_per --seeds 0 1 2 --rounds-scale 0.5`` (its runs' ``checkpoints/last.ckpt``): the default
+temperature gives ``chosen_lambdas.json``; ``--extra --model.init_args.temperature=1.0`` gives
+``chosen_lambdas_temperature_1.json``.
 """
 
 from __future__ import annotations
