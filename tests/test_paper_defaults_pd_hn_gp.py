@@ -106,11 +106,19 @@ def pefll_round_and_expected_gradient(
     return phi + psi, torch.autograd.grad(objective, phi + psi)
 
 
-def test_pefll_default_server_gradient_carries_the_objectives_regularizers() -> None:
-    method = build(PeFLL, digits_data(6), hn_max_grad_norm=None)
+def test_pefll_sgd_setting_server_gradient_carries_the_objectives_regularizers() -> None:
+    # the authors' --optim sgd decay as lambdas (the default Adam has none: lambdas 0)
+    method = build(
+        PeFLL,
+        digits_data(6),
+        hn_max_grad_norm=None,
+        hn_optimizer="sgd",
+        lambda_h=5e-4,
+        lambda_v=5e-4,
+    )
     assert isinstance(method, PeFLL)
     h = method.hp
-    assert (h.lambda_h, h.lambda_v, h.lambda_theta, h.hn_weight_decay) == (5e-4, 5e-4, 0.0, 0.0)
+    assert (h.lambda_theta, h.hn_weight_decay) == (0.0, 0.0)
     params, expected = pefll_round_and_expected_gradient(method, 5e-4, 5e-4, 0.0)
     for p, e in zip(params, expected, strict=True):
         assert p.grad is not None
