@@ -152,7 +152,11 @@ def build(
     data.setup()
     data.to(torch.device(args.device))
     # local_epochs None: FedTP defaults to 5 epochs; here every workload but LeNet-5 counts steps
-    epochs: dict[str, Any] = {"local_epochs": 1 if args.workload == "lenet5_mnist" else None}
+    epochs: dict[str, Any] = (
+        {"local_epochs": 1}
+        if args.workload == "lenet5_mnist"
+        else {"local_epochs": None, "local_steps": args.steps}
+    )
     # FedAvg's committed timings ran pFedHN's inner-loop SGD (momentum, weight decay, clip 50),
     # the base class's; FedAvg's own default is now ClientUpdate's plain SGD
     sgd: dict[str, Any] = (
@@ -166,7 +170,6 @@ def build(
         input_shape=workload["shape"],
         net=workload["net"],
         clients_per_round=clients_per_round,
-        local_steps=args.steps,
         batch_size=args.batch,
         local_lr=0.01,
         **path_options(path),

@@ -115,6 +115,18 @@ def argument_ranges(cls: type) -> dict[str, Any]:
     return hints
 
 
+def argument_default(cls: type, name: str) -> Any:
+    """The default of ``__init__`` argument ``name`` that ``cls`` resolves to: the first class
+    along the MRO whose ``__init__`` declares it (as jsonargparse resolves ``**kwargs``)."""
+    for klass in inspect.getmro(cls):
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            parameter = inspect.signature(init).parameters.get(name)
+            if parameter is not None:
+                return parameter.default
+    raise KeyError(name)
+
+
 def check_arguments(
     owner: object,
     values: Mapping[str, Any],

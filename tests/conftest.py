@@ -13,6 +13,7 @@ from lightning import Trainer
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.partition import ClassesPerClient
+from lightning_pfl.validation import argument_default
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +37,8 @@ def build(cls: type[FederatedMethod], dm: FederatedDataModule, **kwargs: Any) ->
         "batch_size": 8,
         "local_lr": 0.05,
     }
+    if kwargs.get("local_epochs", argument_default(cls, "local_epochs")) is not None:
+        del defaults["local_steps"]  # epochs set the local work: a default step count is unused
     method = cls(
         num_clients=dm.num_clients,
         num_classes=dm.num_classes,

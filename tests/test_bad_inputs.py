@@ -29,6 +29,12 @@ DIRICHLET = "--data.init_args.partition=Dirichlet"
 CASES = [
     (FEDAVG, ["--model.init_args.local_steps=0"], "model.init_args.local_steps"),
     (FEDAVG, ["--model.init_args.local_epochs=0"], "model.init_args.local_epochs"),
+    # pFedKT's own default E = 10 would silently replace the given steps
+    (
+        CONF / "pfedkt.yaml",
+        ["--model.init_args.local_epochs=10", "--model.init_args.local_steps=7"],
+        "model.init_args.local_steps = 7 would be ignored",
+    ),
     (FEDAVG, ["--model.init_args.local_lr=-0.05"], "model.init_args.local_lr"),
     (FEDAVG, ["--model.init_args.local_lr=nan"], "model.init_args.local_lr"),
     (FEDAVG, ["--model.init_args.batch_size=0"], "model.init_args.batch_size"),

@@ -70,6 +70,7 @@ from lightning_pfl.validation import (
     PositiveInt,
     Range,
     Seed,
+    argument_default,
     check_arguments,
 )
 
@@ -217,6 +218,18 @@ class FederatedMethod(LightningModule, ABC):
         super().__init__()
         self.save_hyperparameters()
         check_arguments(self, dict(self.hparams), "model")
+        default_epochs = argument_default(type(self), "local_epochs")
+        if (
+            local_epochs is not None
+            and local_epochs == default_epochs
+            and local_steps != argument_default(type(self), "local_steps")
+        ):  # a config's local_steps that the class's own epochs would silently override
+            raise ConfigError(
+                f"model.init_args.local_steps = {local_steps} would be ignored: "
+                f"{type(self).__name__} trains local_epochs = {local_epochs} epochs a round by "
+                f"default; set local_epochs: null to train {local_steps} steps a round, or "
+                "remove local_steps."
+            )
         self.automatic_optimization = False
         if clients_per_round > num_clients:
             raise ConfigError(
