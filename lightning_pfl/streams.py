@@ -56,6 +56,7 @@ ORDER_STREAM = 14  # MH-pFedHN: the order of the server's per-client steps
 CALIBRATION_STREAM = 14  # CCVR: the virtual representations and their batch order
 ADAPT_STREAM = 101  # Per-FedAvg: the evaluation's adaptation batch, keyed by round
 LOAD_STREAM = 15  # PartialFed: the relaxed-Bernoulli noise of the per-layer load choice
+SPLIT_STREAM = 16  # pFedGP: which batch points condition the GP and which it scores
 
 PER_METHOD = {
     "FedFomo": {"FOMO_STREAM": FOMO_STREAM},
@@ -70,6 +71,7 @@ PER_METHOD = {
     "CCVR": {"CALIBRATION_STREAM": CALIBRATION_STREAM},
     "PerFedAvg": {"ADAPT_STREAM": ADAPT_STREAM},
     "PartialFed": {"LOAD_STREAM": LOAD_STREAM},
+    "PFedGP": {"SPLIT_STREAM": SPLIT_STREAM},
 }
 KEPT_OVERLAPS = {
     frozenset({"NOVEL_ADAPTATION_STREAM", "ADAPT_STREAM"}),
