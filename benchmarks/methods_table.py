@@ -108,6 +108,14 @@ ABOUT: dict[str, tuple[str, str]] = {
     "pfedlhn": ("Zhu et al., Neural Process. Lett. 2023", "the embedding; the model is generated"),
     "pfedme": ("Dinh, Tran & Nguyen, NeurIPS 2020", "theta_i, the Moreau-envelope solution"),
     "power_of_choice": ("Cho, Wang & Joshi, AISTATS 2022", "nothing (highest-loss clients train)"),
+    "power_of_choice_cpow_d": (
+        "Cho, Wang & Joshi, AISTATS 2022 (cpow-d)",
+        "nothing (highest loss on b samples trains)",
+    ),
+    "power_of_choice_rpow_d": (
+        "Cho, Wang & Joshi, AISTATS 2022 (rpow-d)",
+        "nothing (highest last-participation loss trains)",
+    ),
     "qffl": ("Li, Sanjabi, Beirami & Smith, ICLR 2020", "nothing"),
     "scaffold": ("Karimireddy et al., ICML 2020", "nothing (control variate c_i kept)"),
 }

@@ -153,6 +153,13 @@ def build(
     data.to(torch.device(args.device))
     # local_epochs None: FedTP defaults to 5 epochs; here every workload but LeNet-5 counts steps
     epochs: dict[str, Any] = {"local_epochs": 1 if args.workload == "lenet5_mnist" else None}
+    # FedAvg's committed timings ran pFedHN's inner-loop SGD (momentum, weight decay, clip 50),
+    # the base class's; FedAvg's own default is now ClientUpdate's plain SGD
+    sgd: dict[str, Any] = (
+        {"local_momentum": 0.9, "local_weight_decay": 5e-5, "local_max_grad_norm": 50.0}
+        if method == "FedAvg"
+        else {}
+    )
     model = METHODS[method](
         num_clients=num_clients,
         num_classes=10,
@@ -165,6 +172,7 @@ def build(
         **path_options(path),
         offload_client_state=args.device == "cuda",
         **epochs,
+        **sgd,
     )
     model.attach_data(data)
     model.to(args.device)
@@ -204,7 +212,8 @@ def reference_round(model: FederatedMethod, round_idx: int) -> None:
             x, y = model.data.fetch(batches.index[c, s][real])
             optimizer.zero_grad()
             F.cross_entropy(net(x), y).backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), h.local_max_grad_norm)
+            if h.local_max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), h.local_max_grad_norm)
             optimizer.step()
         states.append(net.state_dict())
     weights = model.client_weights(clients)

@@ -73,6 +73,24 @@ def signature(obj: Any, depth: int = 0) -> Hashable:
     raise Opaque(type(obj).__name__)
 
 
+# What each part of ``Lockstep._key`` holds, in its order, as the job's message names it.
+_KEY_PARTS = (
+    "their local losses (a constant in the loss, e.g. FedProx's mu, or its code)",
+    "their architectures",
+    "their trained tensor groups or gradient clipping (on in one run, off in another)",
+    "their per-client SGD values' layouts",
+    "their parameter shapes",
+    "their context tensors",
+    "their per-client state tensors",
+    "their kept momentum (in one run, not in another)",
+    "their batch shapes",
+    "their execution paths",
+    "their executor settings",
+    "their devices",
+    "their data",
+)
+
+
 def _tensor_key(tensors: Params) -> Hashable:
     return tuple((n, tuple(t.shape[1:]), t.dtype, t.device) for n, t in sorted(tensors.items()))
 
@@ -238,6 +256,15 @@ class Lockstep:
         return result
 
     # ----------------------------------------------------------------- training
+    def _name_separate_computations(self, keys: list[tuple[Hashable, ...]]) -> None:
+        """Say why runs that could share a computation form several: the first part of
+        :meth:`_key` in which a group differs from the first group."""
+        for key in keys[1:]:
+            differing = next(
+                part for part, a, b in zip(_KEY_PARTS, keys[0], key, strict=True) if a != b
+            )
+            self.apart_reasons.add(f"{differing} differ, so they form separate computations")
+
     def _key(self, index: int, pending: _Pending) -> Hashable | None:
         """Runs whose keys are equal can train as one computation; None: alone."""
         job, executor = pending.job, pending.executor
@@ -277,6 +304,9 @@ class Lockstep:
         for index in sorted(i for i, p in self.pending.items() if p.result is None):
             key = self._key(index, self.pending[index])
             groups.setdefault(key if key is not None else ("alone", index), []).append(index)
+        self._name_separate_computations(
+            [k for k in groups if isinstance(k, tuple) and k[0] != "alone"]
+        )
         for members in groups.values():
             try:
                 if len(members) == 1:

@@ -57,7 +57,9 @@ def test_fedbn_refuses_a_network_without_batch_norm() -> None:
 
 
 def test_fedbn_vectorized_equals_sequential() -> None:
-    assert_vectorized_equals_sequential(FedBN, **BN)
+    # momentum: with FedAvg's plain SGD the 3-round models sit near ties (accuracy near chance)
+    # and float rounding between the paths flips argmaxes
+    assert_vectorized_equals_sequential(FedBN, local_momentum=0.9, **BN)
 
 
 def test_fedbn_resume_is_exact(tmp_path: Path) -> None:

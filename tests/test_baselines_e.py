@@ -295,7 +295,7 @@ def test_pefll_without_standardization_reads_raw_mean_embeddings() -> None:
     method.calibrate_descriptors()
     embedder = method.network.embedder
     assert float(embedder.scale) == 1.0 and not embedder.shift.any()
-    assert [g["lr"] for g in method.server_optimizer.param_groups] == [0.01, 0.01]
+    assert [g["lr"] for g in method.server_optimizer.param_groups] == [method.hp.hn_lr] * 2
 
 
 def test_pefll_resume_is_exact(tmp_path: Path) -> None:

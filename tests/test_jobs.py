@@ -236,6 +236,30 @@ def _partition(folder: Path) -> Any:
     return json.loads((folder / "partition.json").read_text())
 
 
+def test_a_job_says_why_runs_with_different_loss_constants_train_apart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A grid over FedProx's mu: the proximal term's constant differs, so the runs cannot be one
+    computation; the job trains them as two and names the reason in its closing line."""
+    caplog.set_level("INFO")
+    job = run(
+        [
+            "fit",
+            f"--config={CONF / 'fedprox.yaml'}",
+            "--model.init_args.vectorize=false",
+            "--model.init_args.client_threads=1",
+            "--model.init_args.log_figures=false",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            '--runs.grid={"model.init_args.mu": [0.01, 0.1]}',
+        ]
+    ).job
+    assert job is not None and job.lockstep.groups_trained == job.lockstep.submissions
+    reason = "their local losses (a constant in the loss, e.g. FedProx's mu, or its code) differ"
+    assert any(reason in r for r in job.lockstep.apart_reasons)
+    assert any("trained apart because" in m and reason in m for m in caplog.messages)
+
+
 def test_a_job_writes_each_runs_folder_as_alone_and_a_summary(tmp_path: Path) -> None:
     common = [
         "fit",

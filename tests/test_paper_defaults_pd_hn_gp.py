@@ -34,9 +34,9 @@ def hand_hypernetwork_outputs(method: PFedLA, client: int) -> torch.Tensor:
     """HN_i's raw outputs ``[L, N]`` for one client, layer by layer with plain matmuls."""
     hn = method.hnet
     z = hn.embedding[client]
-    z = torch.relu(hn.w1[client] @ z + hn.b1[client])
-    z = torch.relu(hn.w2[client] @ z + hn.b2[client])
-    return (hn.w3[client] @ z + hn.b3[client]).view(len(method.layers), -1)
+    for w, b in zip(hn.hidden_weights, hn.hidden_biases, strict=True):
+        z = torch.relu(w[client] @ z + b[client])
+    return (hn.out_weight[client] @ z + hn.out_bias[client]).view(len(method.layers), -1)
 
 
 def test_pfedla_default_weights_are_relu_outputs_over_their_sum() -> None:
@@ -44,15 +44,15 @@ def test_pfedla_default_weights_are_relu_outputs_over_their_sum() -> None:
     assert isinstance(method, PFedLA)
     assert method.hp.weight_normalization == "relu_sum"
     hn = method.hnet
-    assert (hn.w3 >= 0).all() and (hn.w3 <= 1).all() and not hn.b3.any()  # U(0, 1), zero bias
+    assert (hn.out_weight >= 0).all() and (hn.out_weight <= 1).all() and not hn.out_bias.any()
     alpha = hn(torch.tensor([0, 3]))
     for row, client in enumerate((0, 3)):
         out = torch.relu(hand_hypernetwork_outputs(method, client))
         torch.testing.assert_close(alpha[row], out / out.sum(-1, keepdim=True))
     # a layer whose outputs are all zero falls back to the client's own model
     with torch.no_grad():
-        hn.w3[3, : method.hp.num_clients].fill_(-1.0)  # first layer's outputs of client 3
-        hn.b3[3].zero_()
+        hn.out_weight[3, : method.hp.num_clients].fill_(-1.0)  # client 3's first layer
+        hn.out_bias[3].zero_()
     alpha = hn(torch.tensor([3]))
     torch.testing.assert_close(alpha[0, 0], torch.eye(5)[3])
     assert alpha[0, 1:].gt(0).sum() > 1  # the other layers still mix several clients
@@ -63,7 +63,7 @@ def test_pfedla_softmax_weights_remain_reachable() -> None:
     assert isinstance(method, PFedLA)
     alpha = method.hnet(torch.tensor([2]))
     torch.testing.assert_close(alpha[0], hand_hypernetwork_outputs(method, 2).softmax(-1))
-    assert (method.hnet.w3 < 0).any()  # PyTorch's default init, as before the option
+    assert (method.hnet.out_weight < 0).any()  # PyTorch's default init, as before the option
 
 
 def test_pfedla_refuses_an_unknown_weight_normalization() -> None:
@@ -106,11 +106,19 @@ def pefll_round_and_expected_gradient(
     return phi + psi, torch.autograd.grad(objective, phi + psi)
 
 
-def test_pefll_default_server_gradient_carries_the_objectives_regularizers() -> None:
-    method = build(PeFLL, digits_data(6), hn_max_grad_norm=None)
+def test_pefll_sgd_setting_server_gradient_carries_the_objectives_regularizers() -> None:
+    # the authors' --optim sgd decay as lambdas (the default Adam has none: lambdas 0)
+    method = build(
+        PeFLL,
+        digits_data(6),
+        hn_max_grad_norm=None,
+        hn_optimizer="sgd",
+        lambda_h=5e-4,
+        lambda_v=5e-4,
+    )
     assert isinstance(method, PeFLL)
     h = method.hp
-    assert (h.lambda_h, h.lambda_v, h.lambda_theta, h.hn_weight_decay) == (5e-4, 5e-4, 0.0, 0.0)
+    assert (h.lambda_theta, h.hn_weight_decay) == (0.0, 0.0)
     params, expected = pefll_round_and_expected_gradient(method, 5e-4, 5e-4, 0.0)
     for p, e in zip(params, expected, strict=True):
         assert p.grad is not None

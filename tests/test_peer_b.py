@@ -86,10 +86,11 @@ def test_fedbabu_personalized_model_is_the_global_model_fine_tuned_for_tau_epoch
     head = method.arch.head_names
     names = {"full": tuple(state), "head": head}.get(part, tuple(n for n in state if n not in head))
     model = {n: t.expand(4, *t.shape) for n, t in state.items()}
+    h, clip = method.hp, method.hp.local_max_grad_norm
     expected = train_clients(
         method.cross_entropy,
         {n: model[n].clone() for n in names},
-        [ParamGroup(names, SGDConfig(0.02, 0.9, 5e-5, 50.0))],
+        [ParamGroup(names, SGDConfig(0.02, h.local_momentum, h.local_weight_decay, clip))],
         method.draw_batches(clients, 0, 5, FINETUNE_PHASE),  # tau = 5 epochs by default
         dm.fetch,
         context={n: t for n, t in model.items() if n not in names},

@@ -119,7 +119,9 @@ def test_cfl_keeps_one_cluster_unless_both_norm_bounds_hold() -> None:
 
 def test_cfl_without_a_split_is_fedavg() -> None:
     dm = digits_data(6)
-    cfl, fedavg = build(CFL, dm, eps_1=0.0), build(FedAvg, dm)
+    cfl = build(CFL, dm, eps_1=0.0)
+    sgd = ("local_momentum", "local_weight_decay", "local_max_grad_norm")
+    fedavg = build(FedAvg, dm, **{key: cfl.hparams[key] for key in sgd})
     for r in range(3):
         clients = cfl.sample_clients(r)
         cfl.run_round(r, clients)
@@ -228,7 +230,9 @@ def test_ccvr_calibration_is_one_sgd_step_of_the_classifier_on_the_virtual_featu
 
 
 def test_ccvr_vectorized_equals_sequential() -> None:
-    assert_vectorized_equals_sequential(CCVR)
+    # momentum: with FedAvg's plain SGD the 3-round models sit near ties and the calibration's
+    # sampled features amplify float rounding between the paths into flipped argmaxes
+    assert_vectorized_equals_sequential(CCVR, local_momentum=0.9)
 
 
 def test_ccvr_resume_is_exact(tmp_path: Path) -> None:

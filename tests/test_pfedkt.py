@@ -287,7 +287,12 @@ def test_l2_variant_is_mu_l2_plus_one_minus_mu_ce() -> None:
 def test_case_a_is_fedavg() -> None:
     """Table 11 case A: FedAvg, evaluated with the global model (FedAvg's Table 1 number)."""
     dm = digits_data(6)
-    common: dict[str, Any] = {"clients_per_round": 3, "local_max_grad_norm": None}
+    common: dict[str, Any] = {
+        "clients_per_round": 3,
+        "local_max_grad_norm": None,
+        "local_momentum": 0.9,
+        "local_weight_decay": 5e-5,
+    }
     case_a = build_kt(dm, ablation="A", **FAST, **common)
     fedavg = build(FedAvg, digits_data(6), **common)
     assert isinstance(fedavg, FedAvg)

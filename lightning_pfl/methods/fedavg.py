@@ -17,7 +17,7 @@ from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
 from lightning_pfl.models import build_network
 from lightning_pfl.privacy import private_uploads, privatizes
-from lightning_pfl.validation import Momentum, PositiveFloat
+from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
 
 class FedAvg(FederatedMethod):
@@ -44,15 +44,32 @@ class FedAvg(FederatedMethod):
     Args:
         server_lr: server learning rate (1 = plain FedAvg).
         server_momentum: server momentum (0 = plain FedAvg; > 0 = FedAvgM).
+        local_momentum: client SGD momentum; 0 as FedAvg's ClientUpdate (plain SGD, McMahan et
+            al., Algorithm 1), which the methods built on FedAvg share unless their paper says
+            otherwise. The base class's 0.9 is pFedHN's inner loop.
+        local_weight_decay: client SGD weight decay (0: ClientUpdate has none).
+        local_max_grad_norm: per-step gradient-norm clip of the clients (null: ClientUpdate
+            has none).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
     honours_conditions = True
 
     def __init__(
-        self, server_lr: PositiveFloat = 1.0, server_momentum: Momentum = 0.0, **kwargs: Any
+        self,
+        server_lr: PositiveFloat = 1.0,
+        server_momentum: Momentum = 0.0,
+        local_momentum: Momentum = 0.0,
+        local_weight_decay: NonNegativeFloat = 0.0,
+        local_max_grad_norm: PositiveFloat | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         h = self.hp
         net = build_network(h.net, h.input_shape, h.num_classes, **(h.net_args or {}))
         self.net = drop_batch_counters(net)

@@ -17,7 +17,7 @@ from lightning_pfl.methods.fedproto import (
     feature_dim,
     prototype_regularized_loss,
 )
-from lightning_pfl.validation import NonNegativeFloat, PositiveInt
+from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveInt
 
 
 def combination_weights(h: Tensor, v: Tensor, eps: float = 1e-3) -> Tensor:
@@ -77,14 +77,20 @@ class FedPAC(FedAvg):
     Args:
         lam: weight lambda of the feature-alignment term (paper: 1).
         head_epochs: local epochs of the classifier-only phase (paper: 1).
+        local_momentum: client SGD momentum (paper: 0.5).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: E = 5 body epochs,
-            lr 0.01, momentum 0.5, batch 50; the benchmark config keeps the shared setting).
+            lr 0.01, batch 50, no weight decay or clipping; the benchmark config keeps the shared
+            setting).
     """
 
     def __init__(
-        self, lam: NonNegativeFloat = 1.0, head_epochs: PositiveInt = 1, **kwargs: Any
+        self,
+        lam: NonNegativeFloat = 1.0,
+        head_epochs: PositiveInt = 1,
+        local_momentum: Momentum = 0.5,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(local_momentum=local_momentum, **kwargs)
         k, d = self.hp.num_classes, feature_dim(self)
         self.centroids: Tensor
         self.has_centroid: Tensor

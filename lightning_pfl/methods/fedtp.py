@@ -68,6 +68,7 @@ class FedTP(FedAvg):
             same name). Both on: this library's remedy for pFedHN at 100 clients.
         net: a transformer with named qkv projections (``vit`` or ``char_transformer``).
         local_lr: client SGD learning rate (0.01).
+        local_momentum: client SGD momentum (0.9, reference code).
         local_weight_decay: client weight decay (1e-5, reference code).
         local_epochs: local epochs E (5); batch size B = ``batch_size`` (64).
         local_max_grad_norm: client gradient clip (None: off, as FedTP).
@@ -91,6 +92,7 @@ class FedTP(FedAvg):
         hn_head_init: HeadInit = "pytorch",
         net: str = "vit",
         local_lr: PositiveFloat = 1e-2,
+        local_momentum: Momentum = 0.9,
         local_weight_decay: NonNegativeFloat = 1e-5,
         local_epochs: PositiveInt | None = 5,
         local_max_grad_norm: PositiveFloat | None = None,
@@ -100,6 +102,7 @@ class FedTP(FedAvg):
         super().__init__(
             net=net,
             local_lr=local_lr,
+            local_momentum=local_momentum,
             local_weight_decay=local_weight_decay,
             local_epochs=local_epochs,
             local_max_grad_norm=local_max_grad_norm,

@@ -25,9 +25,11 @@ class KNNPer(FedAvg):
     Training is FedAvg. For evaluation, each client m stores the global model's features
     (the classifier's input) of all its training samples with their labels, and predicts
     ``lambda_m * p_kNN(y | x) + (1 - lambda_m) * p_global(y | x)``, where p_kNN weights the k
-    nearest stored features (squared Euclidean distance d) by ``softmax(-d / T)``
-    (:func:`~lightning_pfl.losses.knn_probabilities`). The memory is rebuilt from the current
-    global model at every evaluation; nothing is sent besides FedAvg's model.
+    nearest stored features (squared Euclidean distance d) by ``exp(-d / T)``, normalized over
+    the k (:func:`~lightning_pfl.losses.knn_probabilities`); T defaults to the feature
+    dimension D, as the authors' code (``client.py``, ``gather_knn_outputs``). The memory is
+    rebuilt from the current global model at every evaluation; nothing is sent besides FedAvg's
+    model.
 
     lambda_m is chosen per client on its own validation split, as in the paper (each client's
     held-out validation data; the authors' code scores lambda on a grid of step 0.01): the
@@ -43,7 +45,11 @@ class KNNPer(FedAvg):
         knn_weight_grid: G, how many evenly spaced values of lambda in [0, 1] are scored
             (101: the authors' step of 0.01).
         neighbours: k, stored samples voting per prediction (paper: 10).
-        temperature: T of the distance softmax (1.0).
+        temperature: T of the Gaussian kernel ``exp(-d / T)`` on the squared Euclidean
+            distances d of the k neighbours (their weights are normalized to sum to one).
+            None (the authors' code, ``exp(-d / (D * scale))`` with its default scale 1): T = D,
+            the dimension of the global model's features; a number: that T (1.0 was this
+            library's former default, under which the kNN probabilities are one-hot on digits).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
@@ -52,7 +58,7 @@ class KNNPer(FedAvg):
         knn_weight: UnitInterval | None = None,
         knn_weight_grid: Annotated[int, Range(ge=2)] = 101,
         neighbours: PositiveInt = 10,
-        temperature: PositiveFloat = 1.0,
+        temperature: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -92,7 +98,7 @@ class KNNPer(FedAvg):
             params["memory.mask"],
             h.num_classes,
             h.neighbours,
-            h.temperature,
+            z.shape[-1] if h.temperature is None else h.temperature,
         )
         return self.arch.classify(glob, z), knn
 

@@ -18,7 +18,7 @@ from lightning_pfl.engine import (
 )
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.validation import NonNegativeFloat, PositiveFloat, PositiveInt
+from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat, PositiveInt
 
 PROJ = "projection."
 OUT = "output."
@@ -66,8 +66,11 @@ class MOON(FedAvg):
             projection head only feeds l_con (the evaluated model is the network alone); the
             digits benchmark uses it (the paper's composition collapsed there at its local lr
             0.05: docs/methods.md, MOON).
+        local_momentum: client SGD momentum (paper: 0.9).
+        local_weight_decay: client SGD weight decay (paper: 1e-5).
+        local_max_grad_norm: client gradient clip (paper: none).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: SGD lr 0.01,
-            momentum 0.9, weight decay 1e-5, batch 64, 10 local epochs).
+            batch 64, 10 local epochs).
     """
 
     def __init__(
@@ -76,9 +79,17 @@ class MOON(FedAvg):
         temperature: PositiveFloat = 0.5,
         projection_dim: PositiveInt = 256,
         classifier_input: ClassifierInput = "projection",
+        local_momentum: Momentum = 0.9,
+        local_weight_decay: NonNegativeFloat = 1e-5,
+        local_max_grad_norm: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         self.refuse_batch_norm("MOON reads representations")
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))
         dim = self.arch.shapes[weight][1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,7 @@ from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads, set_delta_gradients
 from lightning_pfl.streams import BATCH_STREAM
-from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveInt
+from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 DESCRIPTOR_PHASE = 1
 CALIBRATION_DESCRIPTORS = 64
@@ -182,22 +182,30 @@ class PeFLL(PFedHN):
             moves the descriptor that h reads as far, for the same gradient with respect to
             it, as it would move an unstandardized one; with the plain rate SGD moves it 1/s^2
             times as far (about 1000 on digits, where training then fails: 10% validation
-            accuracy after 50 rounds).
+            accuracy after 50 rounds). The authors' code steps psi at its one ``--lr`` with Adam
+            (its ``--embed-lr`` reaches only its SGD) and rescales descriptors differently (see
+            ``standardize_descriptors``).
         standardize_descriptors: standardize descriptors as above (False: raw mean embeddings,
             which on digits the hypernetwork ignores, so every client gets the same model).
-        lambda_h: lambda_h, the weight of ||phi||^2 (the hypernetwork's parameters). Default
-            5e-4: the authors' code's server weight decay 1e-3 (SGD), whose step is that of
-            5e-4 ||phi||^2.
+        hn_optimizer: the server optimizer of phi and psi. Default ``adam``, the authors' code's
+            default (``--optim adam``: PyTorch's Adam, betas 0.9 / 0.999, no weight decay);
+            ``sgd``: SGD with momentum ``hn_momentum`` (0.9), pFedHN's optimizer and the code's
+            ``--optim sgd``.
+        hn_lr: the server learning rate of phi (default 2e-4, the authors' code's ``--lr``,
+            used by both of its optimizers; pFedHN's SGD rate is 1e-2).
+        lambda_h: lambda_h, the weight of ||phi||^2 (the hypernetwork's parameters). Default 0:
+            the authors' code regularizes neither network with its default Adam; with its
+            ``--optim sgd`` it decays both by 1e-3, the step of lambda_h = lambda_v = 5e-4.
         lambda_v: lambda_v, the weight of ||psi||^2 (the embedding network's parameters);
-            default 5e-4 as ``lambda_h`` (the code decays both networks alike).
+            default 0 as ``lambda_h`` (the code treats both networks alike).
         lambda_theta: lambda_theta, the weight of ||theta_i||^2 (each generated model),
             averaged over the round's clients. Default 0: the authors' code has no such server
             term; its clients' SGD weight decay (5e-5, ``local_weight_decay`` here) acts on
             theta during local training.
         hn_weight_decay: the server optimizer's weight decay, on top of the regularizers
-            (default 0; the earlier behaviour: 1e-3 with all three lambdas 0).
-        **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (hypernetwork size, server
-            optimizer of phi and psi, ``hn_update``, and the inner loop K, eta).
+            (default 0, as the code's Adam; its SGD: 1e-3).
+        **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (hypernetwork size,
+            ``hn_momentum``, ``hn_update``, and the inner loop K, eta).
     """
 
     def __init__(
@@ -205,14 +213,22 @@ class PeFLL(PFedHN):
         embedding_hidden: PositiveInt = 100,
         descriptor_batch: PositiveInt | None = None,
         standardize_descriptors: bool = True,
-        lambda_h: NonNegativeFloat = 5e-4,
-        lambda_v: NonNegativeFloat = 5e-4,
+        hn_optimizer: Literal["sgd", "adam"] = "adam",
+        hn_lr: PositiveFloat = 2e-4,
+        lambda_h: NonNegativeFloat = 0.0,
+        lambda_v: NonNegativeFloat = 0.0,
         lambda_theta: NonNegativeFloat = 0.0,
         n_hidden: NonNegativeInt = 3,
         hn_weight_decay: NonNegativeFloat = 0.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(n_hidden=n_hidden, hn_weight_decay=hn_weight_decay, **kwargs)
+        super().__init__(
+            hn_optimizer=hn_optimizer,
+            hn_lr=hn_lr,
+            n_hidden=n_hidden,
+            hn_weight_decay=hn_weight_decay,
+            **kwargs,
+        )
 
     def build_hypernetwork(self) -> PeFLLNetwork:
         h = self.hp

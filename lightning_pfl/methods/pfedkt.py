@@ -14,6 +14,7 @@ from lightning_pfl.engine import Params, TrainResult, weighted_cross_entropy
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.models.chunked_hypernetwork import ChunkedHyperNetwork
 from lightning_pfl.validation import (
+    Momentum,
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
@@ -92,8 +93,10 @@ class PFedKT(FedAvg):
         local_epochs: local epochs E per round (paper: 10, 50 or 100).
         local_lr: client SGD learning rate (paper: 1e-2).
         local_max_grad_norm: client gradient clip (paper: none).
-        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: momentum 0.9,
-            wd 5e-5, batch 64, ``clients_per_round`` = 10% of clients).
+        local_momentum: client SGD momentum (paper: 0.9).
+        local_weight_decay: client SGD weight decay (paper: 5e-5).
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: batch 64,
+            ``clients_per_round`` = 10% of clients).
     """
 
     def __init__(
@@ -115,12 +118,16 @@ class PFedKT(FedAvg):
         local_epochs: PositiveInt | None = 10,
         local_lr: PositiveFloat = 1e-2,
         local_max_grad_norm: PositiveFloat | None = None,
+        local_momentum: Momentum = 0.9,
+        local_weight_decay: NonNegativeFloat = 5e-5,
         **kwargs: Any,
     ) -> None:
         super().__init__(
             local_epochs=local_epochs,
             local_lr=local_lr,
             local_max_grad_norm=local_max_grad_norm,
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
             **kwargs,
         )
         self.refuse_batch_norm("pFedKT generates whole models")

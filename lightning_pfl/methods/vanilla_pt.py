@@ -10,7 +10,13 @@ from lightning_pfl.attention_maps import AttentionMaps
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.models.transformers import qkv_names
-from lightning_pfl.validation import NonNegativeInt
+from lightning_pfl.validation import (
+    Momentum,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 
 
 class VanillaPersonalizedT(FedAvg):
@@ -24,11 +30,30 @@ class VanillaPersonalizedT(FedAvg):
         picture_clients: at every validation, log to TensorBoard the attention-rollout maps of
             4 test images of each of the first ``picture_clients`` clients (``vit`` only; as
             FedTP, see :class:`~lightning_pfl.attention_maps.AttentionMaps`; 0: off).
+        local_lr, local_momentum, local_weight_decay, local_epochs, local_max_grad_norm:
+            client SGD as FedTP's (its paper's) experimental setup: eta 0.01, momentum 0.9 and
+            weight decay 1e-5 (reference code), E = 5 local epochs, no clipping.
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
-    def __init__(self, picture_clients: NonNegativeInt = 4, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        picture_clients: NonNegativeInt = 4,
+        local_lr: PositiveFloat = 1e-2,
+        local_momentum: Momentum = 0.9,
+        local_weight_decay: NonNegativeFloat = 1e-5,
+        local_epochs: PositiveInt | None = 5,
+        local_max_grad_norm: PositiveFloat | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            local_lr=local_lr,
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_epochs=local_epochs,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
 
     def personal_names(self) -> tuple[str, ...]:
         names = qkv_names(tuple(self.arch.shapes))

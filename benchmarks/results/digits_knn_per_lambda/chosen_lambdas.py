@@ -3,7 +3,9 @@
     python benchmarks/results/digits_knn_per_lambda/chosen_lambdas.py LOG_DIR > OUT.json
 
 LOG_DIR: the ``--log-dir`` of ``python -m benchmarks.accuracy --setting digits --methods
-knn_per --seeds 0 1 2 --rounds-scale 0.5`` (its runs' ``checkpoints/last.ckpt``).
+knn_per --seeds 0 1 2 --rounds-scale 0.5`` (its runs' ``checkpoints/last.ckpt``): the default
+temperature gives ``chosen_lambdas.json``; ``--extra --model.init_args.temperature=1.0`` gives
+``chosen_lambdas_temperature_1.json``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def chosen(run: Path) -> dict[str, object]:
     top = torch.cat(largest)
     return {
         "round": checkpoint["pfl"]["round"],
+        "temperature": method.hp.temperature,
         "lambda_per_client": [round(float(w), 2) for w in params["memory.knn_weight"]],
         "val_knn_largest_probability_mean": round(float(top.mean()), 4),
         "val_share_knn_largest_probability_above_0.99": round(
@@ -81,7 +84,9 @@ def main(log_dir: Path) -> None:
         "kNN-Per's lambda_m per client (knn_weight: null, the grid of 101 values in [0, 1]), "
         "chosen on each client's validation split with the global model and memory of the last "
         "round (the paper's protocol: lambda fitted for the trained global model) of the digits "
-        "runs (configs/digits/knn_per.yaml, --rounds-scale 0.5); made by chosen_lambdas.py"
+        "runs (configs/digits/knn_per.yaml, --rounds-scale 0.5), at each run's kernel "
+        "temperature (null: the feature dimension D = 64 of digits_cnn, the default); made by "
+        "chosen_lambdas.py"
     )
     print(json.dumps({"note": note, "commit": commit, "runs": runs}, indent=2))
 
