@@ -8,7 +8,8 @@ run must not share a key. The ids below keep the values every committed result w
 - Run-wide streams (any method, the base class, conditions, DP, callbacks) are distinct from
   each other and from every method's streams.
 - A method's own streams are distinct among themselves; two different methods may reuse an id,
-  since one run trains one method (FedFomo and FedGen both use 7, MH-pFedHN and CCVR 14).
+  since one run trains one method (FedFomo and FedGen both use 7, MH-pFedHN and CCVR 14,
+  Power-of-Choice and pFedGP 16).
 - Kept overlaps (values every committed result was run with), each safe for the reason given:
   Per-FedAvg's evaluation adaptation and the novel-client callback both use 101, with keys of
   different lengths (``(seed, round, 101)`` and ``(seed, 101)``), so their seeds differ; the
@@ -57,6 +58,7 @@ CALIBRATION_STREAM = 14  # CCVR: the virtual representations and their batch ord
 ADAPT_STREAM = 101  # Per-FedAvg: the evaluation's adaptation batch, keyed by round
 LOAD_STREAM = 15  # PartialFed: the relaxed-Bernoulli noise of the per-layer load choice
 LOSS_SAMPLE_STREAM = 16  # Power-of-Choice (cpow-d): the b samples of each candidate's loss
+SPLIT_STREAM = 16  # pFedGP: which batch points condition the GP and which it scores
 
 PER_METHOD = {
     "FedFomo": {"FOMO_STREAM": FOMO_STREAM},
@@ -72,6 +74,7 @@ PER_METHOD = {
     "PerFedAvg": {"ADAPT_STREAM": ADAPT_STREAM},
     "PartialFed": {"LOAD_STREAM": LOAD_STREAM},
     "FedAvgPoC": {"LOSS_SAMPLE_STREAM": LOSS_SAMPLE_STREAM},
+    "PFedGP": {"SPLIT_STREAM": SPLIT_STREAM},
 }
 KEPT_OVERLAPS = {
     frozenset({"NOVEL_ADAPTATION_STREAM", "ADAPT_STREAM"}),

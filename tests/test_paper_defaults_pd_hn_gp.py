@@ -174,7 +174,15 @@ def test_pfedgp_kernel_is_fixed_by_default_as_in_the_authors_code() -> None:
 
 def test_pfedgp_learned_kernel_is_trained_on_the_marginal_likelihood_and_averaged() -> None:
     dm = digits_data(6)
-    method = build(PFedGP, dm, clients_per_round=3, learn_kernel=True, lengthscale=0.7, noise=0.2)
+    method = build(
+        PFedGP,
+        dm,
+        clients_per_round=3,
+        learn_kernel=True,
+        lengthscale=0.7,
+        noise=0.2,
+        objective="marginal",
+    )
     assert isinstance(method, PFedGP)
     start = {n: float(p) for n, p in method.kernel.items()}
     assert start["log_lengthscale"] == pytest.approx(math.log(0.7))

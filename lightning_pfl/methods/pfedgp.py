@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pfl.engine import LossFn, Params, TrainResult
+from lightning_pfl.engine import LossFn, ParamGroup, Params, TrainResult, derive_seed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.validation import PositiveFloat
+from lightning_pfl.step_inputs import CLOCK, CLOCK_GROUP, at, start_clock, tick
+from lightning_pfl.streams import SPLIT_STREAM
+from lightning_pfl.validation import OpenUnitInterval, PositiveFloat
 
 KERNEL = ("gp.log_lengthscale", "gp.log_noise")
 NOISE_FLOOR = 1e-4  # GPyTorch's default lower bound of a Gaussian likelihood's noise
+SPLIT_KEYS = "gp.split_keys"  # [C, S, B] uniform draws that split each local batch
 
 Scale = float | Tensor
 
@@ -62,6 +65,47 @@ def gp_negative_log_likelihood(
     return 0.5 * (fit + num_classes * (logdet + const)) / n.clamp_min(1)
 
 
+def predictive_split(y: Tensor, weight: Tensor, keys: Tensor, ratio: float) -> Tensor:
+    """The scored points of a batch (1.0; the other real points condition the GP), stratified
+    by class: of the n_c real points of class c, the floor(n_c * ratio) with the smallest
+    ``keys`` (uniform draws; ties go to the earlier position) are scored, as the authors' code
+    scores ``int(n_c * predict_ratio)`` randomly permuted points of each class."""
+    position = torch.arange(len(y), device=y.device)
+    same = (y.unsqueeze(-1) == y.unsqueeze(-2)).to(weight.dtype) * weight.unsqueeze(-2)
+    earlier = (keys.unsqueeze(-2) < keys.unsqueeze(-1)) | (
+        (keys.unsqueeze(-2) == keys.unsqueeze(-1))
+        & (position.unsqueeze(-2) < position.unsqueeze(-1))
+    )
+    rank = (same * earlier.to(weight.dtype)).sum(-1)  # [i]: real points of i's class before i
+    quota = torch.floor(same.sum(-1).double() * ratio).to(weight.dtype)
+    return (rank < quota).to(weight.dtype) * weight
+
+
+def gp_negative_log_predictive(
+    z: Tensor,
+    y: Tensor,
+    weight: Tensor,
+    scored: Tensor,
+    num_classes: int,
+    lengthscale: Scale,
+    noise: Scale,
+) -> Tensor:
+    """Mean negative log predictive density of the scored points (``scored`` 1.0) under the
+    per-class GP regressions conditioned on the other real points (the conditioning set D_c):
+    per point, sum_c [0.5 (y_c - mu_c)^2 / (v + s2) + 0.5 log(v + s2) + 0.5 log 2 pi], with
+    mu_c = k_*^T (K_c + s2 I)^-1 y_c and v = 1 - k_*^T (K_c + s2 I)^-1 k_* (each point's own
+    predictive marginal, as the authors' code scores each point)."""
+    given = weight * (1 - scored)
+    chol = torch.linalg.cholesky(masked_gram(z, given, lengthscale, noise))
+    cross = rbf_kernel(z, z, lengthscale) * given.unsqueeze(-2)  # [i, j]: k(z_i, z_j), j in D_c
+    mean = cross @ torch.cholesky_solve(gp_targets(y, given, num_classes), chol)
+    whitened = torch.linalg.solve_triangular(chol, cross.mT, upper=False)
+    variance = (1 - whitened.pow(2).sum(-2)).clamp_min(0) + noise
+    residual = (gp_targets(y, weight, num_classes) - mean).pow(2).sum(-1)
+    log_normalizer = num_classes * (torch.log(variance) + math.log(2 * math.pi))
+    return 0.5 * (scored * (residual / variance + log_normalizer)).sum() / scored.sum().clamp_min(1)
+
+
 def gp_posterior_mean(
     z_train: Tensor,
     y_train: Tensor,
@@ -91,8 +135,16 @@ class PFedGP(FedAvg):
     and a kernel k(z, z') = exp(-||z - z'||^2 / 2 l^2) on the L2-normalized representation,
     conditioned on its own training data, so the classifier is personal and needs no
     parameters of its own. Round: the server sends w; each client trains w for K local steps
-    on the GP's negative log marginal likelihood of each batch; the server averages the
-    extractors (FedAvg, sample-weighted). The network's own classifier is never used or sent.
+    on the GP's objective on each batch; the server averages the extractors (FedAvg,
+    sample-weighted). The network's own classifier is never used or sent.
+
+    Objective (``objective``): the authors' code's default, the predictive likelihood, splits
+    each batch at random by class into a conditioning set D_c and a scored set D_s (a share
+    ``predict_ratio`` of each class's points, 0.5 as in the code, is scored), conditions the
+    GP on D_c and minimizes the mean negative log predictive density of D_s; the split is
+    drawn on the server per round (stream ``SPLIT_STREAM``) and each step reads its own.
+    ``marginal``: the negative log marginal likelihood of the whole batch (the code's
+    ``--objective marginal_likelihood``).
 
     Our GP classifier is one-vs-rest GP regression on one-hot labels (noise s2), a closed-form
     stand-in for the paper's Polya-Gamma augmented binary-tree GP classifier: it keeps what
@@ -105,8 +157,8 @@ class PFedGP(FedAvg):
     Kernel hyperparameters: fixed by default, as in the authors' code (which rebuilds every
     client's GP tree with outputscale 8 and lengthscale 1 at every step and optimizes only
     the network). With ``learn_kernel`` they are part of the shared kernel: log l and
-    log s2 are sent with w, trained by the clients' local SGD on the same marginal
-    likelihood and averaged with w (the server model holds them, so checkpoints carry them);
+    log s2 are sent with w, trained by the clients' local SGD on the same objective and
+    averaged with w (the server model holds them, so checkpoints carry them);
     s2 is floored at 1e-4 (GPyTorch's default noise bound).
 
     Prediction: the posterior mean K_* (K + s2 I)^-1 Y over all of the client's training
@@ -118,6 +170,11 @@ class PFedGP(FedAvg):
         noise: s2, the observation noise of the label regression (likewise).
         learn_kernel: learn l and s2 with the extractor (shared by all clients, FedAvg'd);
             False: keep them at ``lengthscale`` and ``noise``, as the authors' code does.
+        objective: the extractor's training loss: ``predictive`` (the predictive likelihood
+            of D_s given D_c, the authors' default) or ``marginal`` (the marginal likelihood
+            of the batch).
+        predict_ratio: the share of each class's batch points in the scored set D_s (the
+            code's ``--predict-ratio``, 0.5); read only by the predictive objective.
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
@@ -126,6 +183,8 @@ class PFedGP(FedAvg):
         lengthscale: PositiveFloat = 0.5,
         noise: PositiveFloat = 0.1,
         learn_kernel: bool = False,
+        objective: Literal["predictive", "marginal"] = "predictive",
+        predict_ratio: OpenUnitInterval = 0.5,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -139,7 +198,11 @@ class PFedGP(FedAvg):
         if learn_kernel:
             for name, value in zip(KERNEL, (lengthscale, noise - NOISE_FLOOR), strict=True):
                 self.kernel[name.split(".")[1]] = nn.Parameter(torch.tensor(math.log(value)))
-        self.gp_loss = self.marginal_likelihood_loss()
+        self.gp_loss = (
+            self.predictive_likelihood_loss()
+            if objective == "predictive"
+            else self.marginal_likelihood_loss()
+        )
 
     def kernel_hyperparameters(self, params: Params) -> tuple[Scale, Scale]:
         """(l, s2) of ``params``' kernel tensors, or the fixed ones without ``learn_kernel``."""
@@ -166,6 +229,23 @@ class PFedGP(FedAvg):
 
         return loss
 
+    def predictive_likelihood_loss(self) -> LossFn:
+        h = self.hp
+
+        def loss(params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+            clock = params[CLOCK]
+            joined = {n: t for n, t in {**params, **context}.items() if n != CLOCK}
+            z = self.extractor(joined, x, train=True).double()
+            lengthscale, noise = self.kernel_hyperparameters(joined)
+            weight = w.double()
+            scored = predictive_split(y, weight, at(context[SPLIT_KEYS], clock), h.predict_ratio)
+            value = gp_negative_log_predictive(
+                z, y, weight, scored, h.num_classes, lengthscale, noise
+            )
+            return tick(value.float(), clock)
+
+        return loss
+
     def shared_extras(self) -> dict[str, nn.Parameter]:
         """With ``learn_kernel``, the kernel tensors (``gp.log_lengthscale``, ``gp.log_noise``)."""
         return {f"gp.{n}": p for n, p in self.kernel.items()}
@@ -176,7 +256,22 @@ class PFedGP(FedAvg):
         return {n: t for n, t in sent.items() if n not in self.arch.head_names}
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
-        return self.local_train(start, clients, round_idx, loss_fn=self.gp_loss)
+        if self.hp.objective == "marginal":
+            return self.local_train(start, clients, round_idx, loss_fn=self.gp_loss)
+        batches = self.draw_batches(clients, round_idx)
+        generator = torch.Generator().manual_seed(
+            derive_seed(self.hp.seed, round_idx, SPLIT_STREAM)
+        )
+        keys = torch.rand(batches.index.shape, generator=generator, dtype=torch.float64)
+        return self.local_train(
+            start | start_clock(len(clients), self.device),
+            clients,
+            round_idx,
+            groups=[ParamGroup(tuple(start), self.local_sgd()), CLOCK_GROUP],
+            loss_fn=self.gp_loss,
+            context={SPLIT_KEYS: keys.to(self.device)},
+            batches=batches,
+        )
 
     @torch.no_grad()
     def personalized_params(self, clients: Tensor) -> Params:
