@@ -6,7 +6,10 @@ Each row is one (method, DP setting, victim): the victim's one-sample, one-step 
 inverted and scored by PSNR / SSIM against the real image, and by whether iDLG read its label.
 DP rows use the upload clipped to S and noised with N(0, z^2 S^2 I), the attacker that knows
 every other update of the round (docs/privacy.md). pFedHN has no DP row: its noise is on the
-hypernetwork, not on the upload.
+hypernetwork, not on the upload. MH-pFedHN (a zoo of one architecture, ``digits_cnn``, so its
+rows compare with FedAvg's on the same network) has none either: it refuses ``client_dp``. Its
+victim uploads the update of the model its hypernetwork generated (MH-pFedHN's Fig. 6 attacks
+it the same way).
 
     python -m benchmarks.gradient_inversion --victims 0 1 2 --iterations 50 \\
         --out benchmarks/results/privacy_attack/digits.json
@@ -25,7 +28,7 @@ import torch
 from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.attacks import GradientInversion
-from lightning_pfl.methods import FedAvg, FederatedMethod, PFedHN
+from lightning_pfl.methods import FedAvg, FederatedMethod, MHPFedHN, PFedHN
 from lightning_pfl.partition import ClassesPerClient
 from lightning_pfl.privacy import ClientDP
 
@@ -35,6 +38,7 @@ SETTINGS: list[tuple[str, type[FederatedMethod], dict[str, Any], ClientDP | None
     ("fedavg", FedAvg, {}, ClientDP(noise_multiplier=0.1, clip_norm=3.0)),
     ("fedavg", FedAvg, {}, ClientDP(noise_multiplier=1.0, clip_norm=3.0)),
     ("pfedhn", PFedHN, {"hn_feature_scale": True, "hn_head_init": "target"}, None),
+    ("mh_pfedhn", MHPFedHN, {"architectures": {"cnn": {"net": "digits_cnn"}}}, None),
 ]
 
 

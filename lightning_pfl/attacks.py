@@ -22,6 +22,7 @@ from torchmetrics.functional.image import (
     structural_similarity_index_measure,
 )
 
+from lightning_pfl.assignment import SEP
 from lightning_pfl.engine import Params, derive_seed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.streams import ATTACK_STREAM
@@ -103,11 +104,6 @@ class GradientInversion(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         method: Any = pl_module
-        if method.network_groups() is not None:
-            raise ConfigError(
-                f"GradientInversion: {type(method).__name__}'s clients have different "
-                "architectures; the attack needs one target network."
-            )
         if self.client >= method.num_training_clients:
             raise ConfigError(
                 f"GradientInversion: client = {self.client} is not a training client "
@@ -118,11 +114,18 @@ class GradientInversion(Callback):
                 f"GradientInversion: {type(method).__name__}'s client_dp noise is not on the "
                 "upload the attack inverts (docs/privacy.md); run the attack without client_dp."
             )
-        if self.attack == "idlg" and not set(method.arch.head_names) <= self.observed(method):
+        if getattr(method.hp, "upload_fraction", 1.0) < 1.0:
+            raise ConfigError(
+                f"GradientInversion: {type(method).__name__} uploads only the largest "
+                f"upload_fraction = {method.hp.upload_fraction} of each update's entries; the "
+                "attack inverts a whole update: run it with upload_fraction 1."
+            )
+        arch, tag = self.victim_network(method, self.client)
+        heads = {tag + n for n in arch.head_names}
+        if self.attack == "idlg" and not heads <= self.observed(method, self.client):
             raise ConfigError(
                 f"GradientInversion: {type(method).__name__} does not upload the classifier "
-                f"{list(method.arch.head_names)}, which iDLG reads the label from; use "
-                "attack: dlg."
+                f"{sorted(heads)}, which iDLG reads the label from; use attack: dlg."
             )
 
     def on_train_batch_start(
@@ -137,13 +140,28 @@ class GradientInversion(Callback):
 
     # ----------------------------------------------------------------- the attack
     @staticmethod
-    def observed(method: Any) -> set[str]:
-        """Names of the trainable tensors whose update the method uploads."""
-        names = set(method.arch.shapes)
+    def victim_network(method: Any, client: int) -> tuple[Any, str]:
+        """The victim's architecture and the prefix of its tensors' names in
+        :meth:`~lightning_pfl.methods.base.FederatedMethod.personalized_params` (a model zoo
+        keys them by group, ``NetworkGroups.tagged``)."""
+        groups = method.network_groups()
+        if groups is None:
+            return method.arch, ""
+        kind = groups.names[int(groups.group_of[client])]
+        return groups.archs[kind], f"{kind}{SEP}"
+
+    @staticmethod
+    def observed(method: Any, client: int = 0) -> set[str]:
+        """Names of the victim's trainable tensors whose update the method uploads (a model
+        zoo: those it generates, not the layers a client keeps)."""
+        arch, tag = GradientInversion.victim_network(method, client)
+        names = {tag + n for n in arch.shapes}
+        kept = getattr(method, "local_names", {}).get(tag.removesuffix(SEP), ())
+        names -= {tag + n for n in kept}
         payload = getattr(method, "payload", None)
         if payload is None:
             return names
-        return names & set(payload(torch.tensor([0], device=method.device)))
+        return names & set(payload(torch.tensor([client], device=method.device)))
 
     def run(self, trainer: Trainer, method: Any) -> dict[str, Any]:
         """Attack, record in ``extra_results`` and TensorBoard; returns the record."""
@@ -169,14 +187,15 @@ class GradientInversion(Callback):
         x, y = data.fetch(index.view(-1))
         x, y = x.to(method.device), y.to(method.device)
         model = {n: t[0].detach() for n, t in method.personalized_params(client).items()}
-        names = sorted(self.observed(method))
+        names = sorted(self.observed(method, self.client))
+        arch, tag = self.victim_network(method, self.client)
         target = self.observed_gradient(method, model, names, x, y)
 
         torch.manual_seed(derive_seed(self.seed, ATTACK_STREAM, 1))
         dummy_x = torch.randn_like(x).requires_grad_(True)
         num_classes = method.hp.num_classes
         if self.attack == "idlg":
-            head = method.arch.head_names[0]  # the weight [classes, features]
+            head = tag + arch.head_names[0]  # the weight [classes, features]
             labels = target[names.index(head)].sum(-1).argmin().view(1)
             soft = F.one_hot(labels, num_classes).float()
             variables = [dummy_x]

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_pfl.attacks import GradientInversion
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedAvg, FedPer, PFedHN
+from lightning_pfl.methods import FedAvg, FedPer, MHPFedHN, PFedHN
 from lightning_pfl.partition import IID
 from lightning_pfl.privacy import ClientDP
 from tests.conftest import build, digits_data
@@ -71,3 +71,28 @@ def test_bad_attack_settings_are_refused() -> None:
     private_hn = build(PFedHN, dm, n_hidden=1, hidden_dim=8, client_dp=ClientDP())
     with pytest.raises(ConfigError, match="not on the upload"):  # its noise is on the HN
         GradientInversion().setup(None, private_hn, "fit")  # type: ignore[arg-type]
+
+
+def test_a_model_zoo_victim_is_attacked_on_its_own_architecture() -> None:
+    """MH-pFedHN: each client's upload is the update of its own generated network; the attack
+    inverts it on that network (an MLP client's one-sample update gives the image back exactly,
+    as FedAvg's does) and refuses a sparsified upload, which it cannot invert whole."""
+    dm = digits_data(6)
+    zoo = {
+        "mlp": {"net": "mlp", "clients": [0, 2, 4]},
+        "cnn": {"net": "digits_cnn", "clients": [1, 3, 5]},
+    }
+    method = build(MHPFedHN, dm, architectures=zoo)
+    for client, kind in ((0, "mlp"), (1, "cnn")):
+        attacker = GradientInversion(client=client, iterations=100)
+        attacker.setup(None, method, "fit")  # type: ignore[arg-type]
+        observed = attacker.observed(method, client)
+        assert observed == {f"{kind}/{n}" for n in method.zoo.archs[kind].shapes}
+        record, real, _ = attacker.invert(method)
+        assert record["labels_inferred"] == record["labels"]
+        assert real.shape == (1, 1, 8, 8)
+        if kind == "mlp":
+            assert record["psnr"] > HIGH_PSNR, record
+    sparse = build(MHPFedHN, dm, architectures=zoo, upload_fraction=0.3)
+    with pytest.raises(ConfigError, match="upload_fraction"):
+        GradientInversion().setup(None, sparse, "fit")  # type: ignore[arg-type]
