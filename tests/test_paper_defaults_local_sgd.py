@@ -2,6 +2,8 @@
 
 FedAvg's ClientUpdate (McMahan et al., AISTATS 2017, Algorithm 1) is plain SGD, and every method
 built on FedAvg inherits it unless its paper (or the code its docs row names) says otherwise.
+The baselines not built on FedAvg declare their paper's optimizer, or where the paper gives none
+(or was not reachable), their authors' code's, or a public port's where no authors' code exists.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ PAPER_LOCAL_SGD: dict[str, tuple[float, float, float | None, str]] = {
     "VanillaPersonalizedT": (0.9, 1e-5, None, "FedTP's experimental setup, as FedTP"),
     "FedNova": (0.9, 0.0, None, "Wang et al., NeurIPS 2020: the momentum runs, rho = 0.9"),
     "FedDyn": (0.0, 1e-3, 10.0, "Acar et al., ICLR 2021: the authors' code's experiments"),
+    # the baselines not built on FedAvg (their own code where the paper gives no optimizer)
+    "FedProto": (0.5, 0.0, None, "yuetan031/FedProto lib/update.py: SGD momentum 0.5"),
+    "FedU": (0.0, 0.0, None, "CharlieDinh/FedU_FMTL userFedU.py: SGD, weight decay 0"),
+    "FedFomo": (0.0, 1e-4, None, "NVlabs/FedFomo federated/args.py: momentum 0, wd 1e-4"),
+    "FedGH": (0.9, 1e-3, 50.0, "LipingYi/FedGH FedGH_mh.py: momentum 0.9, --wd 1e-3, clip 50"),
+    "APPLE": (0.9, 0.0, None, "ljaiverson/pFL-APPLE train_APPLE.py: SGD momentum 0.9"),
+    "CFL": (0.9, 0.0, None, "felisat/clustered-federated-learning notebook: momentum 0.9"),
+    "PFedLA": (0.0, 0.0, None, "no official code; FL-bench and KarhouTam/pFedLA: plain SGD"),
+    "FedAMP": (0.0, 0.0, None, "no authors' code found; PFLlib's port: plain SGD"),
 }
 CLIENT_UPDATE = (0.0, 0.0, None, "FedAvg's ClientUpdate: plain SGD")
 
@@ -46,17 +57,32 @@ def default(cls: type, name: str) -> object:
     raise KeyError(name)
 
 
+def local_sgd_defaults(cls: type) -> tuple[object, ...]:
+    return tuple(
+        default(cls, name)
+        for name in ("local_momentum", "local_weight_decay", "local_max_grad_norm")
+    )
+
+
 @pytest.mark.parametrize("cls", fedavg_family(), ids=lambda cls: cls.__name__)
 def test_methods_built_on_fedavg_default_to_their_papers_local_sgd(
     cls: type[FederatedMethod],
 ) -> None:
     paper = next((k.__name__ for k in cls.__mro__ if k.__name__ in PAPER_LOCAL_SGD), None)
     momentum, weight_decay, clip, source = PAPER_LOCAL_SGD[paper] if paper else CLIENT_UPDATE
-    actual = tuple(
-        default(cls, name)
-        for name in ("local_momentum", "local_weight_decay", "local_max_grad_norm")
-    )
-    assert actual == (momentum, weight_decay, clip), source
+    assert local_sgd_defaults(cls) == (momentum, weight_decay, clip), source
+
+
+NOT_ON_FEDAVG = sorted(
+    name for name in PAPER_LOCAL_SGD if not issubclass(getattr(methods, name), FedAvg)
+)
+
+
+@pytest.mark.parametrize("name", NOT_ON_FEDAVG)
+def test_baselines_not_built_on_fedavg_default_to_their_sources_local_sgd(name: str) -> None:
+    """Each declares its own paper's (or code's) optimizer instead of pFedHN's inner loop."""
+    momentum, weight_decay, clip, source = PAPER_LOCAL_SGD[name]
+    assert local_sgd_defaults(getattr(methods, name)) == (momentum, weight_decay, clip), source
 
 
 def test_fedavg_clients_take_plain_sgd_steps_by_default() -> None:

@@ -11,7 +11,7 @@ from torch import Tensor
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig, weighted_cross_entropy
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import build_network
-from lightning_pfl.validation import NonNegativeFloat, PositiveFloat, PositiveInt
+from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat, PositiveInt
 
 CORES, SELF, P0, COEF, P = "cores.", "self", "p0", "coef", "p"
 EXPONENTIAL_FLOOR = 1e-3  # the exponential schedule's lambda at r = L (reference code's epsilon)
@@ -56,6 +56,10 @@ class APPLE(FederatedMethod):
             ``cosine``.
         decay_rounds: L, the rounds over which lambda(r) decays (None: 10% of
             ``trainer.max_steps``, the reference code's default).
+        local_momentum: SGD momentum of w_i and p_i (the reference code, ljaiverson/pFL-APPLE
+            ``train_APPLE.py``: one SGD with momentum 0.9 for both).
+        local_weight_decay: weight decay of w_i (the reference code: none).
+        local_max_grad_norm: per-step gradient-norm clip of w_i (the reference code: none).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
@@ -65,9 +69,17 @@ class APPLE(FederatedMethod):
         mu: NonNegativeFloat = 0.1,
         schedule: Literal["exponential", "cosine"] = "exponential",
         decay_rounds: PositiveInt | None = None,
+        local_momentum: Momentum = 0.9,
+        local_weight_decay: NonNegativeFloat = 0.0,
+        local_max_grad_norm: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         h = self.hp
         self.refuse_batch_norm("APPLE combines model weights")
         self.store.add_field("core", self.arch.initial_params())

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lightning_pfl.engine import Params
 from lightning_pfl.methods.base import FederatedMethod
-from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt
+from lightning_pfl.validation import Momentum, NonNegativeFloat, NonNegativeInt, PositiveFloat
 
 
 def optimal_bipartition(similarity: Tensor) -> Tensor:
@@ -70,6 +70,10 @@ class CFL(FederatedMethod):
         eps_2: epsilon_2, the bound the largest client update norm must exceed (the code: 1.6).
         min_cluster_size: a cluster splits only with more members than this (the code: 2).
         split_from_round: no split before this round (the code: 20).
+        local_momentum: client SGD momentum (the code's clients,
+            ``clustered_federated_learning.ipynb``: SGD with momentum 0.9).
+        local_weight_decay: client SGD weight decay (the code: none).
+        local_max_grad_norm: client gradient clip (the code: none).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
@@ -81,9 +85,17 @@ class CFL(FederatedMethod):
         eps_2: NonNegativeFloat = 1.6,
         min_cluster_size: NonNegativeInt = 2,
         split_from_round: NonNegativeInt = 20,
+        local_momentum: Momentum = 0.9,
+        local_weight_decay: NonNegativeFloat = 0.0,
+        local_max_grad_norm: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         n = self.hp.num_clients
         # at most one cluster per client: room for every split without reallocating
         for name, tensor in self.arch.initial_state().items():

@@ -11,7 +11,7 @@ from lightning_pfl.engine import Params
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.methods.fedprox import anchor, proximal_loss
-from lightning_pfl.validation import NonNegativeFloat, PositiveFloat
+from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
 
 def attention_weights(squared_distance: Tensor, own: Tensor, alpha: float, sigma: float) -> Tensor:
@@ -51,6 +51,10 @@ class FedAMP(FederatedMethod):
         lam: lambda, the weight of the attention regularizer (the proximal coefficient is
             lambda / alpha_k).
         sigma: sigma of the attention function A(x) = 1 - exp(-x / sigma).
+        local_momentum: client SGD momentum (0: plain SGD, PFLlib's port
+            ``system/flcore/clients/clientbase.py``; we found no code of the authors').
+        local_weight_decay: client SGD weight decay (PFLlib's port: 0).
+        local_max_grad_norm: client gradient clip (PFLlib's port: none).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
 
     alpha (n - 1) / sigma must be at most 1, so that xi_ii >= 0 even when all models coincide
@@ -62,9 +66,17 @@ class FedAMP(FederatedMethod):
         alpha: PositiveFloat = 1.0,
         lam: NonNegativeFloat = 1.0,
         sigma: PositiveFloat = 50.0,
+        local_momentum: Momentum = 0.0,
+        local_weight_decay: NonNegativeFloat = 0.0,
+        local_max_grad_norm: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         h = self.hp
         if alpha * (h.num_clients - 1) / sigma > 1:
             raise ConfigError(

@@ -14,7 +14,13 @@ from lightning_pfl.engine import Params, derive_seed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.local import Local
 from lightning_pfl.streams import FOMO_STREAM
-from lightning_pfl.validation import NonNegativeFloat, PositiveInt, UnitInterval
+from lightning_pfl.validation import (
+    Momentum,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    UnitInterval,
+)
 
 
 def fomo_weights(own_loss: Tensor, candidate_loss: Tensor, distance: Tensor) -> Tensor:
@@ -51,6 +57,12 @@ class FedFomo(Local):
         models_per_client: models M downloaded per client and round (paper: 5).
         epsilon: initial exploration probability epsilon (paper: 0.3).
         epsilon_decay: epsilon decreases by this much per round, down to 0.
+        local_momentum: client SGD momentum (the authors' code, NVlabs/FedFomo: ``--momentum``
+            0.0 in its argument defaults and in every command of its README).
+        local_weight_decay: client SGD weight decay (the authors' code: ``--weight_decay``
+            1e-4, ``federated/args.py``, applied by ``federated/optimizer.py``).
+        local_max_grad_norm: client gradient clip (the authors' code: none outside its
+            differential-privacy mode).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
@@ -59,9 +71,17 @@ class FedFomo(Local):
         models_per_client: PositiveInt = 5,
         epsilon: UnitInterval = 0.3,
         epsilon_decay: NonNegativeFloat = 0.01,
+        local_momentum: Momentum = 0.0,
+        local_weight_decay: NonNegativeFloat = 1e-4,
+        local_max_grad_norm: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         n = self.hp.num_clients
         if n < 2:
             raise ConfigError("FedFomo needs at least 2 clients.")

@@ -14,7 +14,7 @@ from lightning_pfl.datamodule import Split
 from lightning_pfl.engine import Architecture, LossFn, Params, cross_entropy_loss
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
-from lightning_pfl.validation import NonNegativeInt, PositiveFloat
+from lightning_pfl.validation import Momentum, NonNegativeFloat, NonNegativeInt, PositiveFloat
 
 
 def train_header(
@@ -140,6 +140,11 @@ class FedGH(HeterogeneousModels):
         header_lr: eta_theta, the server's header learning rate (paper: the local learning
             rate is searched in {1e-3, 1e-2, 1e-1, 1}; default 1e-2).
         header_epochs: passes over the uploaded pairs per round (paper: 1).
+        local_momentum: client SGD momentum (the authors' code, LipingYi/FedGH
+            ``FedGH_mh.py`` and ``FedGH.py``: SGD with momentum 0.9).
+        local_weight_decay: client SGD weight decay (the authors' code: ``--wd`` 1e-3).
+        local_max_grad_norm: per-step gradient-norm clip of the clients (the authors' code:
+            50).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod` (local training:
             fresh SGD every round, ``local_epochs`` / ``local_steps``, ``local_lr`` eta).
     """
@@ -149,9 +154,18 @@ class FedGH(HeterogeneousModels):
         architectures: dict[str, dict[str, Any]] | None = None,
         header_lr: PositiveFloat = 1e-2,
         header_epochs: NonNegativeInt = 1,
+        local_momentum: Momentum = 0.9,
+        local_weight_decay: NonNegativeFloat = 1e-3,
+        local_max_grad_norm: PositiveFloat | None = 50.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(architectures, **kwargs)
+        super().__init__(
+            architectures,
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         h = self.hp
         first = next(iter(self.groups.archs))
         init = self.groups.archs[first].initial_params()

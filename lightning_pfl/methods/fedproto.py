@@ -13,7 +13,7 @@ from lightning_pfl.engine import Architecture, LossFn, Params, weighted_cross_en
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.methods.local import Local
-from lightning_pfl.validation import NonNegativeFloat
+from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
 
 def feature_dim(method: FederatedMethod) -> int:
@@ -116,6 +116,10 @@ class FedProto(Local):
         lam: weight lambda of the prototype regularizer (paper: 1).
         predict_by: ``prototype``: the class of the nearest global prototype (the paper's
             inference); ``head``: the client model's own classifier.
+        local_momentum: client SGD momentum (the authors' code, yuetan031/FedProto
+            ``lib/update.py``: SGD with momentum 0.5).
+        local_weight_decay: client SGD weight decay (the authors' SGD: none).
+        local_max_grad_norm: client gradient clip (the authors' code: none).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod` (paper: local lr
             0.01, batch 8, 1 local epoch, SGD; the benchmark config keeps the shared setting).
     """
@@ -124,9 +128,17 @@ class FedProto(Local):
         self,
         lam: NonNegativeFloat = 1.0,
         predict_by: Literal["head", "prototype"] = "prototype",
+        local_momentum: Momentum = 0.5,
+        local_weight_decay: NonNegativeFloat = 0.0,
+        local_max_grad_norm: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         k, d = self.hp.num_classes, feature_dim(self)
         self.prototypes: Tensor
         self.has_prototype: Tensor

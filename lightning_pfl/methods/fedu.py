@@ -10,7 +10,7 @@ from torch import Tensor
 from lightning_pfl.engine import Params
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.local import Local
-from lightning_pfl.validation import NonNegativeFloat
+from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
 
 def laplacian_step(models: Params, adjacency: Tensor, step: float) -> Params:
@@ -45,6 +45,10 @@ class FedU(Local):
             eta = 0.05 and 5 clients per round, lambda = 1 moves a model 20% of the way to the
             mean of the others).
         adjacency: the N x N similarity graph a_ij (None: fully connected, a_ij = 1).
+        local_momentum: client SGD momentum (the authors' code, CharlieDinh/FedU_FMTL
+            ``FLAlgorithms/users/userFedU.py``: plain SGD, 0).
+        local_weight_decay: client SGD weight decay (the authors' code: 0).
+        local_max_grad_norm: client gradient clip (the authors' code: none).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
@@ -52,9 +56,17 @@ class FedU(Local):
         self,
         lam: NonNegativeFloat = 1.0,
         adjacency: list[list[float]] | None = None,
+        local_momentum: Momentum = 0.0,
+        local_weight_decay: NonNegativeFloat = 0.0,
+        local_max_grad_norm: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         n = self.hp.num_clients
         graph = (
             torch.ones(n, n) if adjacency is None else torch.tensor(adjacency, dtype=torch.float)

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lightning_pfl.engine import Params
 from lightning_pfl.methods.base import FederatedMethod
-from lightning_pfl.validation import Momentum, PositiveFloat, PositiveInt
+from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat, PositiveInt
 
 WeightNormalization = Literal["relu_sum", "softmax"]
 AggregationUnit = Literal["layer", "tensor"]
@@ -119,6 +119,11 @@ class PFedLA(FederatedMethod):
             implementation (no official code exists and the paper's text was not reachable to
             us), or ``softmax`` (a softmax over the clients per layer; with ``hn_lr: 0.05``
             the behaviour of earlier versions).
+        local_momentum: client SGD momentum (0: plain SGD, the client optimizer of both public
+            implementations, FL-bench's defaults and KarhouTam/pFedLA's
+            ``src/client/base.py``; no official code exists).
+        local_weight_decay: client SGD weight decay (both implementations: 0).
+        local_max_grad_norm: client gradient clip (both implementations: none).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
@@ -131,9 +136,17 @@ class PFedLA(FederatedMethod):
         weight_normalization: WeightNormalization = "relu_sum",
         hidden_layers: PositiveInt = 3,
         aggregation_unit: AggregationUnit = "layer",
+        local_momentum: Momentum = 0.0,
+        local_weight_decay: NonNegativeFloat = 0.0,
+        local_max_grad_norm: PositiveFloat | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
+            local_max_grad_norm=local_max_grad_norm,
+            **kwargs,
+        )
         self.refuse_batch_norm("pFedLA mixes whole models layer by layer")
         names = list(self.arch.shapes)
         units = {n: n if aggregation_unit == "tensor" else n.rsplit(".", 1)[0] for n in names}
