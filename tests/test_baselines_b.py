@@ -59,7 +59,8 @@ def test_fedbn_refuses_a_network_without_batch_norm() -> None:
 def test_fedbn_vectorized_equals_sequential() -> None:
     # momentum: with FedAvg's plain SGD the 3-round models sit near ties (accuracy near chance)
     # and float rounding between the paths flips argmaxes
-    assert_vectorized_equals_sequential(FedBN, local_momentum=0.9, **BN)
+    # local_epochs None: the conftest's 3 steps, not the paper's whole epoch at batch 8
+    assert_vectorized_equals_sequential(FedBN, local_momentum=0.9, local_epochs=None, **BN)
 
 
 def test_fedbn_resume_is_exact(tmp_path: Path) -> None:
@@ -170,7 +171,8 @@ def test_moon_loss_is_cross_entropy_plus_mu_times_contrastive() -> None:
 
 def test_moon_keeps_previous_models_and_averages_the_projection() -> None:
     dm = digits_data(6)
-    method = build(MOON, dm, clients_per_round=2)
+    # local_epochs None: the conftest's 3 steps, not the paper's 10 epochs at batch 8
+    method = build(MOON, dm, clients_per_round=2, local_epochs=None)
     before = {n: t.clone() for n, t in method.global_state().items()}
     trained = capture_local_training(method)
     clients = torch.tensor([0, 4])
@@ -186,7 +188,8 @@ def test_moon_keeps_previous_models_and_averages_the_projection() -> None:
 
 
 def test_moon_vectorized_equals_sequential() -> None:
-    assert_vectorized_equals_sequential(MOON, projection_dim=16)
+    # local_epochs None: the conftest's 3 steps, not the paper's 10 epochs at batch 8
+    assert_vectorized_equals_sequential(MOON, projection_dim=16, local_epochs=None)
 
 
 def test_moon_resume_is_exact(tmp_path: Path) -> None:
@@ -348,9 +351,10 @@ def test_per_fedavg_vectorized_equals_sequential(variant: str) -> None:
 @pytest.mark.parametrize(
     ("cls", "kwargs"),
     [
-        (FedBN, BN),
+        # local_epochs None: the conftest's 3 steps, not the papers' whole epochs at batch 8
+        (FedBN, {**BN, "local_epochs": None}),
         (FedRoD, {}),
-        (MOON, {"projection_dim": 16}),
+        (MOON, {"projection_dim": 16, "local_epochs": None}),
         (PFedMe, {"local_lr": 0.05}),
         (PerFedAvg, {"variant": "hf"}),
     ],

@@ -137,7 +137,8 @@ def test_moon_default_output_layer_reads_the_projection() -> None:
 
 def test_moon_output_layer_is_trained_averaged_and_counted() -> None:
     dm = digits_data(6)
-    method = build(MOON, dm, clients_per_round=2)
+    # local_epochs None: the conftest's 3 steps, not the paper's 10 epochs at batch 8
+    method = build(MOON, dm, clients_per_round=2, local_epochs=None)
     head = method.net.fc2.weight.detach().clone()
     optimizer = method.configure_server_optimizer()
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -175,7 +176,10 @@ def test_moon_features_keeps_the_networks_classifier() -> None:
 
 
 def test_moon_features_vectorized_equals_sequential() -> None:
-    assert_vectorized_equals_sequential(MOON, projection_dim=16, classifier_input="features")
+    # local_epochs None: the conftest's 3 steps, not the paper's 10 epochs at batch 8
+    assert_vectorized_equals_sequential(
+        MOON, projection_dim=16, classifier_input="features", local_epochs=None
+    )
 
 
 def test_moon_refuses_an_unknown_classifier_input() -> None:

@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.validation import PositiveFloat, PositiveInt
 
 
 class FedBN(FedAvg):
@@ -19,17 +20,27 @@ class FedBN(FedAvg):
     else is averaged (sample-weighted).
 
     Needs a network with batch norm, e.g. ``net: digits_cnn`` or ``cnn`` with
-    ``net_args: {batch_norm: true}``. The paper trains with SGD (lr 1e-2), batch 32, 1 local
-    epoch (E=1) per round.
+    ``net_args: {batch_norm: true}``.
 
     Args:
-        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
+        local_lr: client SGD learning rate (paper: 1e-2).
+        batch_size: local batch size (paper: 32).
+        local_epochs: local epochs E per round (paper: 1; null trains ``local_steps``).
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: plain SGD).
     """
 
     honours_conditions = True
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        local_lr: PositiveFloat = 1e-2,
+        batch_size: PositiveInt = 32,
+        local_epochs: PositiveInt | None = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            local_lr=local_lr, batch_size=batch_size, local_epochs=local_epochs, **kwargs
+        )
         if not self.personal_names():
             raise ConfigError(
                 f"FedBN keeps batch-norm layers local, but net '{self.hp.net}' has none; set "

@@ -13,7 +13,7 @@ from lightning_pfl.engine import Architecture, LossFn, Params, weighted_cross_en
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.methods.local import Local
-from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
+from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat, PositiveInt
 
 
 def feature_dim(method: FederatedMethod) -> int:
@@ -112,6 +112,10 @@ class FedProto(Local):
     clients that have class k (classes no client of the round has keep their prototype).
     Only prototypes (and class counts) are communicated.
 
+    The client's model stays on the client; its SGD starts every round with zero momentum, as
+    the authors' code builds a new optimizer each round (``client_momentum: fresh``), or keeps
+    its momentum across rounds as :class:`~lightning_pfl.methods.local.Local` (``kept``).
+
     Args:
         lam: weight lambda of the prototype regularizer (paper: 1).
         predict_by: ``prototype``: the class of the nearest global prototype (the paper's
@@ -120,8 +124,14 @@ class FedProto(Local):
             ``lib/update.py``: SGD with momentum 0.5).
         local_weight_decay: client SGD weight decay (the authors' SGD: none).
         local_max_grad_norm: client gradient clip (the authors' code: none).
-        **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod` (paper: local lr
-            0.01, batch 8, 1 local epoch, SGD; the benchmark config keeps the shared setting).
+        client_momentum: ``fresh``: the client's SGD momentum restarts from zero every round
+            (the authors' code builds its optimizer in every round's local update); ``kept``:
+            it carries over to the client's next round, as in ``Local``.
+        local_lr: client SGD learning rate (the authors' code's ``--lr``: 0.01).
+        local_epochs: local epochs per round (the authors' code's ``--train_ep``: 1; null
+            trains ``local_steps``).
+        **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod` (the batch stays
+            the library's: the paper's 8 as our docs read it, the authors' ``--local_bs`` 4).
     """
 
     def __init__(
@@ -131,14 +141,21 @@ class FedProto(Local):
         local_momentum: Momentum = 0.5,
         local_weight_decay: NonNegativeFloat = 0.0,
         local_max_grad_norm: PositiveFloat | None = None,
+        client_momentum: Literal["fresh", "kept"] = "fresh",
+        local_lr: PositiveFloat = 1e-2,
+        local_epochs: PositiveInt | None = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(
             local_momentum=local_momentum,
             local_weight_decay=local_weight_decay,
             local_max_grad_norm=local_max_grad_norm,
+            local_lr=local_lr,
+            local_epochs=local_epochs,
             **kwargs,
         )
+        if client_momentum == "fresh":
+            del self.store.fields["momentum"]  # Local's kept momentum: not client state here
         k, d = self.hp.num_classes, feature_dim(self)
         self.prototypes: Tensor
         self.has_prototype: Tensor
@@ -157,12 +174,14 @@ class FedProto(Local):
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         sent = self.prototype_payload(clients)
         params = self.store.gather("params", clients, self.device)
-        momentum = self.store.gather("momentum", clients, self.device)
+        kept = self.hp.client_momentum == "kept"
+        momentum = self.store.gather("momentum", clients, self.device) if kept else None
         result = self.local_train(
             params, clients, round_idx, loss_fn=self.proto_loss, context=sent, momentum=momentum
         )
         self.store.scatter("params", clients, result.params)
-        self.store.scatter("momentum", clients, result.momentum)
+        if kept:
+            self.store.scatter("momentum", clients, result.momentum)
         sums, _, counts = class_statistics(self, result.params, clients)
         local = sums / counts.clamp_min(1).unsqueeze(-1)
         new, present = aggregate_prototypes(local, counts, self.prototypes, self.has_prototype)

@@ -69,8 +69,10 @@ class MOON(FedAvg):
         local_momentum: client SGD momentum (paper: 0.9).
         local_weight_decay: client SGD weight decay (paper: 1e-5).
         local_max_grad_norm: client gradient clip (paper: none).
-        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: SGD lr 0.01,
-            batch 64, 10 local epochs).
+        local_lr: client SGD learning rate (paper: 0.01).
+        batch_size: local batch size B (paper: 64).
+        local_epochs: local epochs E per round (paper: 10; null trains ``local_steps``).
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
     def __init__(
@@ -82,12 +84,18 @@ class MOON(FedAvg):
         local_momentum: Momentum = 0.9,
         local_weight_decay: NonNegativeFloat = 1e-5,
         local_max_grad_norm: PositiveFloat | None = None,
+        local_lr: PositiveFloat = 1e-2,
+        batch_size: PositiveInt = 64,
+        local_epochs: PositiveInt | None = 10,
         **kwargs: Any,
     ) -> None:
         super().__init__(
             local_momentum=local_momentum,
             local_weight_decay=local_weight_decay,
             local_max_grad_norm=local_max_grad_norm,
+            local_lr=local_lr,
+            batch_size=batch_size,
+            local_epochs=local_epochs,
             **kwargs,
         )
         self.refuse_batch_norm("MOON reads representations")
