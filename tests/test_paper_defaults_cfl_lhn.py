@@ -12,6 +12,7 @@ from torch.func import grad
 
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.cfl import CFL
+from lightning_pfl.methods.pfedlhn import PFedLHN
 from tests.conftest import build, digits_data
 from tests.helpers import CONF, assert_resume_is_exact, capture_local_training, run_dir
 
@@ -112,3 +113,45 @@ def test_cfl_resume_keeps_each_clients_momentum_and_round_count(tmp_path: Path) 
     state = ckpt["pfl"]["client_state"]
     assert state["rounds"]["trained"].sum() == 6 * 2  # 6 rounds of 2 clients
     assert any(t.any() for t in state["momentum"].values())
+
+
+# ----------------------------------------------------------------------------- pFedLHN
+def test_pfedlhn_server_optimizer_is_the_public_codes_adamw_by_default() -> None:
+    """tianyuzeke/pFedLHN's README runs ``--optim adamw --lr 3e-4`` with ``--grad-clip`` 30:
+    PyTorch's AdamW (weight decay 1e-2). Its first step from gradient g moves every parameter
+    to p (1 - lr wd) - lr g / (|g| + eps) (bias-corrected moments m = g, v = g^2)."""
+    method = build(PFedLHN, digits_data(4))
+    assert isinstance(method, PFedLHN)
+    assert method.hp.hn_max_grad_norm == 30.0
+    optimizer = method.configure_server_optimizer()
+    params = list(method.hnet.parameters())
+    before = [p.detach().clone() for p in params]
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    for p, grad_ in zip(params, grads, strict=True):
+        p.grad = grad_
+    optimizer.step()
+    lr, wd = 3e-4, 1e-2
+    for p, p0, grad_ in zip(params, before, grads, strict=True):
+        expected = p0 * (1 - lr * wd) - lr * grad_ / (grad_.abs() + 1e-8)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_pfedlhn_pfedhns_sgd_stays_reachable() -> None:
+    """``hn_optimizer: sgd`` with pFedHN's numbers (the code's argparse default): one step is
+    p - lr (g + wd p)."""
+    method = build(PFedLHN, digits_data(4), hn_optimizer="sgd", hn_lr=1e-2, hn_weight_decay=1e-3)
+    optimizer = method.configure_server_optimizer()
+    assert isinstance(optimizer, torch.optim.SGD)
+    params = list(method.hnet.parameters())
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    for p, p0 in zip(params, before, strict=True):
+        torch.testing.assert_close(p.detach(), p0 - 1e-2 * (1 + 1e-3 * p0))
+
+
+def test_pfedlhn_unknown_server_optimizer_is_refused() -> None:
+    with pytest.raises(ConfigError, match="hn_optimizer"):
+        build(PFedLHN, digits_data(4), hn_optimizer="rmsprop")
