@@ -141,6 +141,7 @@ def test_pfedlhn_pfedhns_sgd_stays_reachable() -> None:
     """``hn_optimizer: sgd`` with pFedHN's numbers (the code's argparse default): one step is
     p - lr (g + wd p)."""
     method = build(PFedLHN, digits_data(4), hn_optimizer="sgd", hn_lr=1e-2, hn_weight_decay=1e-3)
+    assert isinstance(method, PFedLHN)
     optimizer = method.configure_server_optimizer()
     assert isinstance(optimizer, torch.optim.SGD)
     params = list(method.hnet.parameters())
