@@ -145,8 +145,10 @@ class CFL(FederatedMethod):
         if h.lr_decay != 1.0:
             trained = self.store.gather("rounds", clients, self.device)["trained"] + 1
             self.store.scatter("rounds", clients, {"trained": trained})
+            # every SGD field, not the lr alone: the loop paths build a client's SGD from the
+            # rates it is given (engine._client_groups), the others at SGDConfig's defaults
             group = ParamGroup(tuple(self.arch.shapes), self.local_sgd())
-            rates = sgd_rates([group], len(clients), self.device)  # every field: none falls back
+            rates = sgd_rates([group], len(clients), self.device)
             rates["0.lr"] = (h.local_lr * h.lr_decay**trained).to(rates["0.lr"])
         params = {n: t.clone() for n, t in start.items()}
         result = self.local_train(params, clients, round_idx, momentum=momentum, rates=rates)
