@@ -169,7 +169,12 @@ def test_pfedlhn_server_gradient_is_the_gradient_of_the_delta_surrogate() -> Non
 
 
 def test_pfedlhn_vectorized_equals_sequential() -> None:
-    assert_vectorized_equals_sequential(PFedLHN)
+    # SGD on the server: AdamW (the default) divides each gradient element by its own root
+    # mean square, which turns the paths' float rounding of a near-zero element into a step of
+    # up to lr (1 of 819,200 weights off by 1.4e-5 after 3 rounds); the clients' math is the same
+    assert_vectorized_equals_sequential(
+        PFedLHN, hn_optimizer="sgd", hn_lr=1e-2, hn_weight_decay=1e-3
+    )
 
 
 # ----------------------------------------------------------------- PeFLL

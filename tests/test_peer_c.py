@@ -119,7 +119,7 @@ def test_cfl_keeps_one_cluster_unless_both_norm_bounds_hold() -> None:
 
 def test_cfl_without_a_split_is_fedavg() -> None:
     dm = digits_data(6)
-    cfl = build(CFL, dm, eps_1=0.0)
+    cfl = build(CFL, dm, eps_1=0.0, keep_client_optimizer=False, lr_decay=1.0)  # FedAvg's SGD
     sgd = ("local_momentum", "local_weight_decay", "local_max_grad_norm")
     fedavg = build(FedAvg, dm, **{key: cfl.hparams[key] for key in sgd})
     for r in range(3):

@@ -405,13 +405,15 @@ class FederatedMethod(LightningModule, ABC):
         momentum: Params | None = None,
         batches: ClientBatches | None = None,
         arch: Architecture | None = None,
+        rates: Params | None = None,
     ) -> TrainResult:
         """Train ``params`` (stacked over ``clients``) on the clients' own training data.
 
         Tensors of ``params`` that are buffers of ``arch`` (default: the method's target),
         e.g. batch-norm running statistics, are not trained but updated by the forward passes;
         the returned ``params`` hold them too. ``batches`` defaults to :meth:`draw_batches` of
-        ``clients`` for ``round_idx``; ``groups`` to one group with the local SGD settings.
+        ``clients`` for ``round_idx``; ``groups`` to one group with the local SGD settings;
+        ``rates``: per-client SGD values replacing the groups' (``engine.sgd_rates``' keys).
         """
         arch = arch or self.arch
         state = {n: t for n, t in params.items() if n in arch.buffer_shapes}
@@ -421,7 +423,15 @@ class FederatedMethod(LightningModule, ABC):
         loss_fn = loss_fn or (self.cross_entropy if arch is self.arch else cross_entropy_loss(arch))
         result = self.executor.train(
             TrainJob(
-                loss_fn, trainable, tuple(groups), batches, arch, context or {}, momentum, state
+                loss_fn,
+                trainable,
+                tuple(groups),
+                batches,
+                arch,
+                context or {},
+                momentum,
+                state,
+                rates or {},
             )
         )
         result.params = {**result.params, **result.state}

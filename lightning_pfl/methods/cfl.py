@@ -3,15 +3,23 @@ the clients' updates."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_pfl.engine import Params
+from lightning_pfl.engine import ParamGroup, Params, sgd_rates
 from lightning_pfl.methods.base import FederatedMethod
-from lightning_pfl.validation import Momentum, NonNegativeFloat, NonNegativeInt, PositiveFloat
+from lightning_pfl.validation import (
+    Momentum,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    Range,
+)
+
+Decay = Annotated[float, Range(gt=0, le=1)]
 
 
 def optimal_bipartition(similarity: Tensor) -> Tensor:
@@ -64,6 +72,13 @@ class CFL(FederatedMethod):
     the similarities use each member's most recent update (kept per client); members that never
     trained stay in the first half of a split.
 
+    Client SGD as in the authors' code (``fl_devices.py``): each client keeps its optimizer over
+    the whole run, so its momentum buffer carries from one of its rounds to the next (the model
+    it starts from is still its cluster's), and before each of its rounds multiplies its
+    learning rate by ``lr_decay``: its k-th round (k = 1, 2, ...) trains at
+    ``local_lr * lr_decay ** k``. The code has every client train every round, where the k-th
+    round of a client is round k.
+
     Args:
         eps_1: epsilon_1, the bound on the norm of the cluster's mean update (the authors' code:
             0.4).
@@ -74,6 +89,10 @@ class CFL(FederatedMethod):
             ``clustered_federated_learning.ipynb``: SGD with momentum 0.9).
         local_weight_decay: client SGD weight decay (the code: none).
         local_max_grad_norm: client gradient clip (the code: none).
+        keep_client_optimizer: each client's momentum buffer persists across its rounds (the
+            code: True); False starts a fresh optimizer every round.
+        lr_decay: factor on a client's learning rate before each of its rounds (the code: 0.99
+            from lr 0.1, so its first round trains at 0.099); 1.0 keeps ``local_lr``.
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
@@ -88,6 +107,8 @@ class CFL(FederatedMethod):
         local_momentum: Momentum = 0.9,
         local_weight_decay: NonNegativeFloat = 0.0,
         local_max_grad_norm: PositiveFloat | None = None,
+        keep_client_optimizer: bool = True,
+        lr_decay: Decay = 0.99,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -103,6 +124,11 @@ class CFL(FederatedMethod):
         self.register_buffer("cluster_of", torch.zeros(n, dtype=torch.long))
         size = sum(torch.Size(s).numel() for s in self.arch.shapes.values())
         self.store.add_field("update", {"delta": torch.zeros(size), "seen": torch.zeros(())})
+        if keep_client_optimizer:
+            momentum = {n: torch.zeros_like(p) for n, p in self.arch.initial_params().items()}
+            self.store.add_field("momentum", momentum)
+        if lr_decay != 1.0:
+            self.store.add_field("rounds", {"trained": torch.zeros((), dtype=torch.float64)})
 
     def models(self) -> Params:
         """Every cluster slot's model by tensor name, ``[num_clients, ...]``."""
@@ -111,7 +137,23 @@ class CFL(FederatedMethod):
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         cluster = self.cluster_of[clients]
         start = {n: t[cluster] for n, t in self.models().items()}
-        result = self.local_train({n: t.clone() for n, t in start.items()}, clients, round_idx)
+        h = self.hp
+        momentum = (
+            self.store.gather("momentum", clients, self.device) if h.keep_client_optimizer else None
+        )
+        rates = None
+        if h.lr_decay != 1.0:
+            trained = self.store.gather("rounds", clients, self.device)["trained"] + 1
+            self.store.scatter("rounds", clients, {"trained": trained})
+            # every SGD field, not the lr alone: the loop paths build a client's SGD from the
+            # rates it is given (engine._client_groups), the others at SGDConfig's defaults
+            group = ParamGroup(tuple(self.arch.shapes), self.local_sgd())
+            rates = sgd_rates([group], len(clients), self.device)
+            rates["0.lr"] = (h.local_lr * h.lr_decay**trained).to(rates["0.lr"])
+        params = {n: t.clone() for n, t in start.items()}
+        result = self.local_train(params, clients, round_idx, momentum=momentum, rates=rates)
+        if h.keep_client_optimizer:
+            self.store.scatter("momentum", clients, result.momentum)
         delta = torch.cat(
             [(result.params[n] - start[n]).flatten(1) for n in self.arch.shapes], 1
         ).float()

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import BaseHyperNetwork
-from lightning_pfl.validation import NonNegativeInt, PositiveInt
+from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 
 def layers_of(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -99,8 +100,18 @@ class PFedLHN(PFedHN):
             layer modules are small).
         shared_embedding: one client embedding v_i read by all layer modules (True), or one
             per layer.
-        **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (``embed_dim``, the server
-            optimizer ``hn_lr`` etc. and the inner loop).
+        hn_optimizer: the server optimizer of (phi, v). Default ``adamw``: the public code's
+            (tianyuzeke/pFedLHN, not confirmed as the authors') README runs every experiment
+            with ``--optim adamw --lr 3e-4`` (PyTorch's AdamW, betas 0.9 / 0.999); ``sgd`` with
+            ``hn_lr`` 1e-2, ``hn_momentum`` 0.9, ``hn_weight_decay`` 1e-3 is the code's
+            argparse default and pFedHN's optimizer; ``adam`` as in pFedHN.
+        hn_lr: server learning rate (the README's 3e-4).
+        hn_weight_decay: server weight decay (default 1e-2: AdamW's own, which the code's
+            AdamW keeps; its SGD: 1e-3).
+        hn_max_grad_norm: clip of the hypernetwork gradient norm (the code's ``--grad-clip``
+            30, applied with every optimizer; pFedHN's 50).
+        **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (``embed_dim``,
+            ``embed_lr``, ``hn_momentum`` and the inner loop).
     """
 
     honours_conditions = True
@@ -110,9 +121,31 @@ class PFedLHN(PFedHN):
         hidden_dim: PositiveInt = 100,
         n_hidden: NonNegativeInt = 1,
         shared_embedding: bool = True,
+        hn_optimizer: Literal["sgd", "adam", "adamw"] = "adamw",
+        hn_lr: PositiveFloat = 3e-4,
+        hn_weight_decay: NonNegativeFloat = 1e-2,
+        hn_max_grad_norm: PositiveFloat | None = 30.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(hidden_dim=hidden_dim, n_hidden=n_hidden, **kwargs)
+        super().__init__(
+            hidden_dim=hidden_dim,
+            n_hidden=n_hidden,
+            hn_optimizer=hn_optimizer,  # type: ignore[arg-type]
+            hn_lr=hn_lr,
+            hn_weight_decay=hn_weight_decay,
+            hn_max_grad_norm=hn_max_grad_norm,
+            **kwargs,
+        )
+
+    def configure_server_optimizer(self) -> torch.optim.Optimizer:
+        h = self.hp
+        if h.hn_optimizer != "adamw":
+            return super().configure_server_optimizer()
+        groups = [
+            {"params": self.hnet.body_parameters()},
+            {"params": self.hnet.embedding_parameters(), "lr": h.embed_lr or h.hn_lr},
+        ]
+        return torch.optim.AdamW(groups, lr=h.hn_lr, weight_decay=h.hn_weight_decay)
 
     def build_hypernetwork(self) -> LayerwiseHyperNetwork:
         h = self.hp
