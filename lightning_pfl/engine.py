@@ -304,7 +304,8 @@ def sgd_rates(groups: Sequence[ParamGroup], num_clients: int, device: torch.devi
 
 
 def _client_groups(groups: Sequence[ParamGroup], rates: Params) -> tuple[ParamGroup, ...]:
-    """One client's groups with its own SGD values (``rates`` of that client, 0-dim)."""
+    """One client's groups with its own SGD values (``rates`` of that client, 0-dim); a value
+    ``rates`` lacks is the group's, as :func:`_sgd_step` reads it under vmap."""
     if not rates:
         return tuple(groups)
     return tuple(
@@ -313,8 +314,9 @@ def _client_groups(groups: Sequence[ParamGroup], rates: Params) -> tuple[ParamGr
             SGDConfig(
                 **{
                     name: float(rates[f"{i}.{name}"])
-                    for name in SGD_FIELDS
                     if f"{i}.{name}" in rates
+                    else getattr(group.sgd, name)
+                    for name in SGD_FIELDS
                 }
             ),
         )

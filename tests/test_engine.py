@@ -141,6 +141,42 @@ def test_per_client_sgd_rates_train_each_client_with_its_own_settings(
     assert not torch.allclose(other.params[names[0]], together.params[names[0]][2:])
 
 
+def test_rates_that_give_only_a_learning_rate_keep_the_groups_other_settings() -> None:
+    """Per-client learning rates alone (CFL's decayed lr): momentum, weight decay and clip stay
+    the group's on every path, one by one and in threads as under vmap."""
+    x, y = make_data()
+    torch.manual_seed(0)
+    arch = Architecture(DigitsCNN())
+    params = {
+        n: p.unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in arch.initial_params().items()
+    }
+    batches = random_batches(2, 4, 12, len(y))
+    groups = [ParamGroup(tuple(params), SGDConfig(0.05, 0.9, 1e-3, 1.0))]
+    lr_only = {"0.lr": torch.tensor([0.05, 0.05])}
+    results = [
+        train_clients(
+            cross_entropy_loss(arch),
+            params,
+            groups,
+            batches,
+            lambda i: (x[i], y[i]),
+            vectorize=vectorize,
+            threads=threads,
+            rates=rates,
+        )
+        for vectorize, threads, rates in (
+            (False, 1, None),
+            (False, 1, lr_only),
+            (False, 2, lr_only),
+            (True, 1, lr_only),
+        )
+    ]
+    for result in results[1:]:
+        for name in params:
+            torch.testing.assert_close(result.params[name], results[0].params[name])
+            torch.testing.assert_close(result.momentum[name], results[0].momentum[name])
+
+
 def test_inactive_steps_leave_a_client_untouched() -> None:
     x, y = make_data()
     arch = Architecture(DigitsCNN())
