@@ -35,7 +35,7 @@ from tests.helpers import (
 # class -> (momentum, weight decay, gradient clip, source) of its paper's local SGD
 PAPER_LOCAL_SGD: dict[str, tuple[float, float, float | None, str]] = {
     "MOON": (0.9, 1e-5, None, "Li et al., CVPR 2021, experiments: SGD momentum 0.9, wd 1e-5"),
-    "FedPAC": (0.5, 0.0, None, "Xu et al., ICLR 2023, experimental setup: SGD momentum 0.5"),
+    "FedPAC": (0.5, 5e-4, None, "Xu et al., ICLR 2023: momentum 0.5; JianXu95/FedPAC: wd 5e-4"),
     "PFedKT": (0.9, 5e-5, None, "pFedKT section 6.1: momentum 0.9, weight decay 5e-5"),
     "FedTP": (0.9, 1e-5, None, "FedTP experimental setup: SGD lr 0.01; reference code rho 0.9"),
     "VanillaPersonalizedT": (0.9, 1e-5, None, "FedTP's experimental setup, as FedTP"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 from scipy.optimize import minimize
 from torch import Tensor
 
-from lightning_pfl.engine import Params, TrainResult
+from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedproto import (
     aggregate_prototypes,
@@ -65,10 +66,10 @@ class FedPAC(FedAvg):
     classifiers combined from the other clients' classifiers.
 
     Round for the sampled clients: each client takes the global body theta and its own head
-    phi_i; it first trains the head alone (``head_epochs``, body frozen), then the body on
-    CE + lambda * ||f(x) - c_y||^2 / D with the head frozen (c_y: the global centroid of the label
-    from the previous round). It uploads the body, its head, its class centroids mu_ik with
-    counts, and its feature statistics h_ik = pi_ik mu_ik and
+    phi_i; it first trains the head alone (``head_epochs`` at ``head_lr``, body frozen), then the
+    body on CE + lambda * ||f(x) - c_y||^2 / D with the head frozen (c_y: the global centroid of
+    the label from the previous round). It uploads the body, its head, its class centroids mu_ik
+    with counts, and its feature statistics h_ik = pi_ik mu_ik and
     v_i = (sum_k pi_ik E||f(x)||^2_k - sum_k pi_ik^2 ||mu_ik||^2) / n_i. The server averages the
     bodies (FedAvg), averages the centroids by class counts, and gives client i the head
     sum_j alpha_ij phi_j with alpha_i solving the QP of :func:`combination_weights` over the
@@ -77,21 +78,28 @@ class FedPAC(FedAvg):
     Args:
         lam: weight lambda of the feature-alignment term (paper: 1).
         head_epochs: local epochs of the classifier-only phase (paper: 1).
+        head_lr: SGD step size of the classifier-only phase (the authors' code: 0.1, ``lr_g``
+            in JianXu95/FedPAC ``methods/fedpac.py`` ``local_training``, lines 193-195; the
+            paper states only eta); null trains the head at ``local_lr``. Its momentum, weight
+            decay and clip are the body phase's. Both phases start a fresh SGD every round.
         local_momentum: client SGD momentum (paper: 0.5).
+        local_weight_decay: client SGD weight decay of both phases (the authors' code: 5e-4,
+            ``methods/fedpac.py`` lines 195 and 221).
         local_lr: client SGD step size eta (paper: 0.01 on EMNIST and Fashion-MNIST, 0.02 on
             CIFAR-10 and CINIC-10).
         batch_size: local batch size B (paper: 50).
         local_epochs: local epochs E of the body phase per round (paper: 5; null trains
             ``local_steps``).
-        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: no weight decay or
-            clipping).
+        **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: no clipping).
     """
 
     def __init__(
         self,
         lam: NonNegativeFloat = 1.0,
         head_epochs: PositiveInt = 1,
+        head_lr: PositiveFloat | None = 0.1,
         local_momentum: Momentum = 0.5,
+        local_weight_decay: NonNegativeFloat = 5e-4,
         local_lr: PositiveFloat = 1e-2,
         batch_size: PositiveInt = 50,
         local_epochs: PositiveInt | None = 5,
@@ -99,6 +107,7 @@ class FedPAC(FedAvg):
     ) -> None:
         super().__init__(
             local_momentum=local_momentum,
+            local_weight_decay=local_weight_decay,
             local_lr=local_lr,
             batch_size=batch_size,
             local_epochs=local_epochs,
@@ -115,6 +124,11 @@ class FedPAC(FedAvg):
     def personal_names(self) -> tuple[str, ...]:
         return self.arch.head_names
 
+    def head_sgd(self) -> SGDConfig:
+        """The classifier-only phase's SGD: the local one at ``head_lr``."""
+        lr = self.hp.head_lr
+        return replace(self.local_sgd(), lr=self.hp.local_lr if lr is None else lr)
+
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
         """Head phase (body frozen), then body phase with alignment (head frozen)."""
         head = set(self.arch.head_names)
@@ -122,7 +136,14 @@ class FedPAC(FedAvg):
         heads = {n: t for n, t in start.items() if n in head or n in buffers}
         body = {n: t for n, t in start.items() if n not in head and n not in buffers}
         batches = self.draw_batches(clients, round_idx, epochs=self.hp.head_epochs, phase=1)
-        first = self.local_train(heads, clients, round_idx, context=body, batches=batches)
+        first = self.local_train(
+            heads,
+            clients,
+            round_idx,
+            groups=[ParamGroup(self.arch.head_names, self.head_sgd())],
+            context=body,
+            batches=batches,
+        )
         c = len(clients)
         centroids = {
             "proto.value": self.centroids.expand(c, *self.centroids.shape),
