@@ -94,10 +94,17 @@ class PFedLHN(PFedHN):
     of the surrogate (1/C) sum_i <theta_i(phi, v), delta_i>, and steps its optimizer.
 
     Args:
-        hidden_dim: width of every layer hypernetwork (pFedHN's 100; the pFedLHN paper's
-            per-layer sizes are not given, so this is our default).
-        n_hidden: hidden layers of every layer hypernetwork after the first (default 1: the
-            layer modules are small).
+        hidden_dim: width of every layer hypernetwork (default 128: the public code's
+            (tianyuzeke/pFedLHN, not confirmed as the authors') ``--hdim`` 128, ``utils.py``
+            l. 32, the width of its ``fc1`` in ``models.py`` l. 24; the README's commands keep it;
+            pFedHN's 100 before).
+        n_hidden: hidden layers of every layer hypernetwork after the first (default 0: the
+            public code's ``CNNHyper`` maps the embedding through one ``Linear(embed_dim,
+            hdim)`` and no activation straight into the heads, ``models.py`` l. 24 and 51-60;
+            its ``--n-hidden`` 3, ``utils.py`` l. 46, is never read; 1 before).
+        embed_dim: client embedding size E (default 40: the code's ``--embed-dim``,
+            ``utils.py`` l. 19, which the README's commands keep; None: pFedHN's
+            floor(1 + n / 4), as before).
         shared_embedding: one client embedding v_i read by all layer modules (True), or one
             per layer.
         hn_optimizer: the server optimizer of (phi, v). Default ``adamw``: the public code's
@@ -110,16 +117,17 @@ class PFedLHN(PFedHN):
             AdamW keeps; its SGD: 1e-3).
         hn_max_grad_norm: clip of the hypernetwork gradient norm (the code's ``--grad-clip``
             30, applied with every optimizer; pFedHN's 50).
-        **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (``embed_dim``,
-            ``embed_lr``, ``hn_momentum`` and the inner loop).
+        **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (``embed_lr``,
+            ``hn_momentum`` and the inner loop).
     """
 
     honours_conditions = True
 
     def __init__(
         self,
-        hidden_dim: PositiveInt = 100,
-        n_hidden: NonNegativeInt = 1,
+        hidden_dim: PositiveInt = 128,
+        n_hidden: NonNegativeInt = 0,
+        embed_dim: PositiveInt | None = 40,
         shared_embedding: bool = True,
         hn_optimizer: Literal["sgd", "adam", "adamw"] = "adamw",
         hn_lr: PositiveFloat = 3e-4,
@@ -130,6 +138,7 @@ class PFedLHN(PFedHN):
         super().__init__(
             hidden_dim=hidden_dim,
             n_hidden=n_hidden,
+            embed_dim=embed_dim,
             hn_optimizer=hn_optimizer,  # type: ignore[arg-type]
             hn_lr=hn_lr,
             hn_weight_decay=hn_weight_decay,
