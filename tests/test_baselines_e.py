@@ -125,7 +125,7 @@ def test_fedgh_resume_is_exact(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------- pFedLHN
 def test_pfedlhn_each_layer_hypernetwork_generates_exactly_its_layer() -> None:
-    method = build(PFedLHN, digits_data(6))
+    method = build(PFedLHN, digits_data(6), n_embeds=None, shared_embedding=True)
     assert isinstance(method, PFedLHN)
     hnet = method.hnet
     assert isinstance(hnet, LayerwiseHyperNetwork)
@@ -147,7 +147,12 @@ def test_pfedlhn_each_layer_hypernetwork_generates_exactly_its_layer() -> None:
     # One shared embedding table: v_i is a single parameter the optimizer sees once.
     assert len(hnet.embedding_parameters()) == 1
     assert (
-        len(build(PFedLHN, digits_data(6), shared_embedding=False).hnet.embedding_parameters()) == 4
+        len(
+            build(
+                PFedLHN, digits_data(6), n_embeds=None, shared_embedding=False
+            ).hnet.embedding_parameters()
+        )
+        == 4
     )
 
 
