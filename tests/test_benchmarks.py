@@ -492,7 +492,9 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
     logs = tmp_path / "logs"
     command = [sys.executable, "-m", "benchmarks.accuracy", "--setting", "digits", "--jobs", "2"]
     command += ["--methods", "fedavg", "--splits", "dirichlet", "--seeds", "0", "1"]
-    command += ["--rounds-scale", str(24 / 300), "--log-dir", str(logs)]
+    # 300 rounds of 2 steps: about 10 s each, so neither run can finish in the time the other
+    # takes to start (24 rounds once did, on a quiet machine, before the signal reached it)
+    command += ["--rounds-scale", "1", "--log-dir", str(logs)]
     command += ["--out-dir", str(tmp_path / "out")]
     cheap_rounds = ["--extra", "--model.init_args.local_steps=2", *NO_FIGURES]
     names = [accuracy.run_name("digits", "dirichlet", "fedavg", seed) for seed in (0, 1)]
@@ -509,7 +511,7 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
         return path.read_text() if path.exists() else ""
 
     deadline = time.monotonic() + 240
-    while not all("round 2/24:" in log(name) for name in names):  # both are training
+    while not all("round 25/300:" in log(name) for name in names):  # both are training
         assert benchmark.poll() is None, benchmark.communicate()[0].decode()
         assert time.monotonic() < deadline, [log(name) for name in names]
         time.sleep(0.1)
@@ -531,7 +533,7 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     rows = json.loads((tmp_path / "out" / "digits" / "fedavg.json").read_text())["rows"]
-    assert [(row["seed"], row["rounds"]) for row in rows] == [(0, 24), (1, 24)]
+    assert [(row["seed"], row["rounds"]) for row in rows] == [(0, 300), (1, 300)]
     for name in names:
         assert log(name).count("resuming from its last.ckpt") == 1
         assert [p.name for p in (logs / name).iterdir()] == ["version_0"]
