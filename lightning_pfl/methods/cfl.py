@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_pfl.engine import ParamGroup, Params, sgd_rates
+from lightning_pfl.engine import Params
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.validation import (
     Momentum,
@@ -145,11 +145,9 @@ class CFL(FederatedMethod):
         if h.lr_decay != 1.0:
             trained = self.store.gather("rounds", clients, self.device)["trained"] + 1
             self.store.scatter("rounds", clients, {"trained": trained})
-            # every SGD field, not the lr alone: the loop paths build a client's SGD from the
-            # rates it is given (engine._client_groups), the others at SGDConfig's defaults
-            group = ParamGroup(tuple(self.arch.shapes), self.local_sgd())
-            rates = sgd_rates([group], len(clients), self.device)
-            rates["0.lr"] = (h.local_lr * h.lr_decay**trained).to(rates["0.lr"])
+            rates = {
+                "0.lr": (h.local_lr * h.lr_decay**trained).float()
+            }  # other values: the group's
         params = {n: t.clone() for n, t in start.items()}
         result = self.local_train(params, clients, round_idx, momentum=momentum, rates=rates)
         if h.keep_client_optimizer:
