@@ -145,9 +145,8 @@ class CFL(FederatedMethod):
         if h.lr_decay != 1.0:
             trained = self.store.gather("rounds", clients, self.device)["trained"] + 1
             self.store.scatter("rounds", clients, {"trained": trained})
-            rates = {
-                "0.lr": (h.local_lr * h.lr_decay**trained).float()
-            }  # other values: the group's
+            # the decayed lr alone: the engine keeps the group's other SGD values
+            rates = {"0.lr": (h.local_lr * h.lr_decay**trained).float()}
         params = {n: t.clone() for n, t in start.items()}
         result = self.local_train(params, clients, round_idx, momentum=momentum, rates=rates)
         if h.keep_client_optimizer:
