@@ -61,18 +61,9 @@ def fedavg_family() -> list[type[FederatedMethod]]:
     return sorted(found, key=lambda cls: cls.__name__)
 
 
-def default(cls: type, name: str) -> object:
-    for klass in cls.__mro__:
-        if "__init__" in vars(klass):
-            parameters = inspect.signature(vars(klass)["__init__"]).parameters
-            if name in parameters:
-                return parameters[name].default
-    raise KeyError(name)
-
-
 def local_sgd_defaults(cls: type) -> tuple[object, ...]:
     return tuple(
-        default(cls, name)
+        argument_default(cls, name)
         for name in ("local_momentum", "local_weight_decay", "local_max_grad_norm")
     )
 
@@ -136,9 +127,8 @@ LOCAL_WORK = ("local_lr", "batch_size", "local_epochs")
 def test_papers_with_one_local_work_setting_default_to_it(name: str) -> None:
     lr, batch, epochs, source = PAPER_LOCAL_WORK[name]
     size = batch or argument_default(FederatedMethod, "batch_size")
-    assert tuple(default(getattr(methods, name), k) for k in LOCAL_WORK) == (lr, size, epochs), (
-        source
-    )
+    cls = getattr(methods, name)
+    assert tuple(argument_default(cls, k) for k in LOCAL_WORK) == (lr, size, epochs), source
 
 
 def paper_default_method(name: str, **kwargs: Any) -> FederatedMethod:
@@ -221,7 +211,7 @@ def fedproto_two_rounds_of_one_client(client_momentum: str) -> tuple[Params, Par
 
 
 def test_fedproto_default_restarts_the_client_momentum_every_round() -> None:
-    assert default(FedProto, "client_momentum") == "fresh"
+    assert argument_default(FedProto, "client_momentum") == "fresh"
     trained, fresh, kept = fedproto_two_rounds_of_one_client("fresh")
     for n in fresh:
         torch.testing.assert_close(trained[n], fresh[n], rtol=1e-4, atol=1e-6, msg=n)
