@@ -58,7 +58,8 @@ class PFedHN(FederatedMethod):
         hidden_dim: hypernetwork MLP width.
         n_hidden: hypernetwork hidden layers after the first (3 for CIFAR, 0 for MNIST).
         spectral_norm: spectral normalization on every hypernetwork layer.
-        hn_optimizer: server optimizer of (phi, v).
+        hn_optimizer: server optimizer of (phi, v): ``sgd`` (the paper's code), ``adam`` or
+            ``adamw`` (PyTorch's, with ``hn_weight_decay`` as its decoupled decay).
         hn_lr: server learning rate (paper: 1e-2; pFedHN-PC 5e-2).
         embed_lr: learning rate of the embeddings v (default ``hn_lr``).
         hn_momentum: server SGD momentum.
@@ -91,7 +92,7 @@ class PFedHN(FederatedMethod):
         hidden_dim: PositiveInt = 100,
         n_hidden: NonNegativeInt = 3,
         spectral_norm: bool = False,
-        hn_optimizer: Literal["sgd", "adam"] = "sgd",
+        hn_optimizer: Literal["sgd", "adam", "adamw"] = "sgd",
         hn_lr: PositiveFloat = 1e-2,
         embed_lr: PositiveFloat | None = None,
         hn_momentum: Momentum = 0.9,
@@ -148,6 +149,8 @@ class PFedHN(FederatedMethod):
         ]
         if h.hn_optimizer == "adam":
             return torch.optim.Adam(groups, lr=h.hn_lr, weight_decay=h.hn_weight_decay)
+        if h.hn_optimizer == "adamw":
+            return torch.optim.AdamW(groups, lr=h.hn_lr, weight_decay=h.hn_weight_decay)
         return torch.optim.SGD(
             groups, lr=h.hn_lr, momentum=h.hn_momentum, weight_decay=h.hn_weight_decay
         )

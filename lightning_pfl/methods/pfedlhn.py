@@ -195,22 +195,12 @@ class PFedLHN(PFedHN):
             hidden_dim=hidden_dim,
             n_hidden=n_hidden,
             embed_dim=embed_dim,
-            hn_optimizer=hn_optimizer,  # type: ignore[arg-type]
+            hn_optimizer=hn_optimizer,
             hn_lr=hn_lr,
             hn_weight_decay=hn_weight_decay,
             hn_max_grad_norm=hn_max_grad_norm,
             **kwargs,
         )
-
-    def configure_server_optimizer(self) -> torch.optim.Optimizer:
-        h = self.hp
-        if h.hn_optimizer != "adamw":
-            return super().configure_server_optimizer()
-        groups = [
-            {"params": self.hnet.body_parameters()},
-            {"params": self.hnet.embedding_parameters(), "lr": h.embed_lr or h.hn_lr},
-        ]
-        return torch.optim.AdamW(groups, lr=h.hn_lr, weight_decay=h.hn_weight_decay)
 
     def build_hypernetwork(self) -> LayerwiseHyperNetwork:
         h = self.hp
