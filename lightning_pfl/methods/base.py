@@ -651,28 +651,31 @@ class FederatedMethod(LightningModule, ABC):
                 total[rows] = part
         return out  # type: ignore[return-value]
 
-    @torch.no_grad()
-    def evaluate_clients(
-        self, clients: Tensor, split: Split, params: Params | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`evaluate` for ``clients`` that share one network architecture: one vmap, or
-        on a CPU the clients in worker threads where training uses the threaded loop.
-        ``params``: their models (stacked), default :meth:`personalized_params`."""
+    def client_logits(self, params: Params, x: Tensor) -> Tensor:
+        """Logits (float) of each client's model (``params`` stacked) on its own inputs ``x``
+        ``[C, B, ...]``: one vmap, or on a CPU the clients in worker threads where training
+        uses the threaded loop."""
         vectorize, threads = (
             (True, 1)
             if self.network_groups() is not None or self.device.type != "cpu"
             else self.executor.path(self.arch)
         )
-        batched_predict = vmap(self.predict)
+        if vectorize:
+            return vmap(self.predict)(params, x).float()
+        return predict_clients(self.predict, params, x, threads).float()
+
+    @torch.no_grad()
+    def evaluate_clients(
+        self, clients: Tensor, split: Split, params: Params | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`evaluate` for ``clients`` that share one network architecture
+        (:meth:`client_logits`). ``params``: their models (stacked), default
+        :meth:`personalized_params`."""
         by_size = self.data.by_size(clients, split)
         params = by_size.sort(self.personalized_params(clients) if params is None else params)
         sums = torch.zeros(len(clients), 3, device=self.device)  # correct, samples, loss
         for k, x, y, weight in by_size.blocks(self.hp.eval_batch_size):
-            first = {name: value[:k] for name, value in params.items()}
-            if vectorize:
-                logits = batched_predict(first, x).float()
-            else:
-                logits = predict_clients(self.predict, first, x, threads).float()
+            logits = self.client_logits({name: value[:k] for name, value in params.items()}, x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(
                 weight
             )

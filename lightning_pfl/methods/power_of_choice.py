@@ -9,9 +9,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.func import vmap
 
-from lightning_pfl.engine import derive_seed, predict_clients
+from lightning_pfl.engine import derive_seed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.streams import CLIENT_STREAM, LOSS_SAMPLE_STREAM
@@ -140,21 +139,14 @@ class FedAvgPoC(FedAvg):
     def sampled_loss(self, candidates: Tensor, round_idx: int) -> Tensor:
         """cpow-d's ~F_k(w^t): the mean cross-entropy of w^t (evaluation mode) on b samples of
         each candidate's training data, drawn uniformly without replacement (seeded by
-        round); vmapped, or client by client where training runs the loop."""
+        round)."""
         generator = torch.Generator(self.data.device).manual_seed(
             derive_seed(self.hp.seed, round_idx, LOSS_SAMPLE_STREAM)
         )
         batch = self.data.client_batches(candidates, self.b, generator, steps=1)
         x, y = self.data.fetch(batch.index[:, 0])
         x, y, weight = x.to(self.device), y.to(self.device), batch.weight[:, 0].to(self.device)
-        params = self.payload(candidates)
-        vectorize, threads = (
-            (True, 1) if self.device.type != "cpu" else self.executor.path(self.arch)
-        )
-        if vectorize:
-            logits = vmap(self.predict)(params, x).float()
-        else:
-            logits = predict_clients(self.predict, params, x, threads).float()
+        logits = self.client_logits(self.payload(candidates), x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
         return (loss.view_as(weight) * weight).sum(1) / weight.sum(1)
 
