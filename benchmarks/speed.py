@@ -30,7 +30,10 @@ median of its rounds.
 ``--job N`` times ``N`` one-client-per-round pFedHN runs (seeds 0..N-1; with ``--job-lrs`` every
 seed at every local learning rate, ``--runs.grid``) through ``lightning-pfl fit`` as one job
 (``--runs.seeds``, the runs' local training shared) against the same runs one after another,
-wall clock of the whole command each (building, data, training, no validation),
+wall clock of the whole command each (building, data, training, no validation; on a GPU after
+one untimed warm-up run, with peak device memory of one run alone and of the job per run);
+``--job-alone-sample K`` times only the first K runs alone and scales their time to all N (the
+row says ``one_after_another_timed_runs``),
 on ``--job-configs`` (default: the digits protocol; add
 ``configs/fashion_mnist_pfedhn_table1/pfedhn.yaml`` with ``--job-root`` for FashionMNIST), and
 reports run-rounds per second of both and their ratio.
@@ -413,20 +416,29 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
         "--checkpoint.every_minutes=null",
         *([f"--data.init_args.root={args.job_root}"] if args.job_root else []),
     ]
+    alone_runs = [(seed, lr) for seed in seeds for lr in lrs]
+    timed_alone = alone_runs[: args.job_alone_sample or None]
+    cuda = torch.cuda.is_available() and args.device == "cuda"
     with tempfile.TemporaryDirectory() as logs:
+        if cuda:  # the CUDA context and kernels' first loads count against neither side
+            run([*common, f"--trainer.logger.init_args.save_dir={logs}/warm_up"])
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        for seed in seeds:
-            for lr in lrs:
-                run(
-                    [
-                        *common,
-                        f"--trainer.logger.init_args.save_dir={logs}/alone_{seed}_{lr}",
-                        f"--model.init_args.seed={seed}",
-                        f"--data.init_args.seed={seed}",
-                        *([f"--model.init_args.local_lr={lr}"] if lr is not None else []),
-                    ]
-                )
-        alone = time.perf_counter() - start
+        for seed, lr in timed_alone:
+            run(
+                [
+                    *common,
+                    f"--trainer.logger.init_args.save_dir={logs}/alone_{seed}_{lr}",
+                    f"--model.init_args.seed={seed}",
+                    f"--data.init_args.seed={seed}",
+                    *([f"--model.init_args.local_lr={lr}"] if lr is not None else []),
+                ]
+            )
+        # the runs differ only by seed or lr: the untimed ones cost what the timed ones did
+        alone = (time.perf_counter() - start) * len(alone_runs) / len(timed_alone)
+        alone_memory = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         grid = [f'--runs.grid={{"model.init_args.local_lr": {lrs}}}'] if args.job_lrs else []
         start = time.perf_counter()
         cli = run(
@@ -449,6 +461,7 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
         "local_lrs": args.job_lrs,
         "rounds": args.job_rounds,
         "one_after_another_seconds": alone,
+        "one_after_another_timed_runs": len(timed_alone),
         "job_seconds": together,
         "one_after_another_run_rounds_per_second": run_rounds / alone,
         "job_run_rounds_per_second": run_rounds / together,
@@ -456,6 +469,10 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
         "jobs_handed_in": lockstep.submissions,
         "computations": lockstep.groups_trained,
         "trained_apart_because": sorted(lockstep.apart_reasons),
+        "peak_device_memory_mb_one_run_alone": alone_memory,
+        "peak_device_memory_mb_job_per_run": (
+            torch.cuda.max_memory_allocated() / 2**20 / runs if cuda else None
+        ),
     }
     print(
         f"job of {runs} x {args.job_rounds} rounds, {config}: one after another "
@@ -492,6 +509,12 @@ def main() -> None:
     parser.add_argument("--e2e-paths", nargs="+", default=["vectorized", "vectorized-graphs"])
     parser.add_argument("--job", type=int, default=0, help="runs of a job (0: no job timing)")
     parser.add_argument("--job-rounds", type=int, default=50)
+    parser.add_argument(
+        "--job-alone-sample",
+        type=int,
+        default=0,
+        help="time only the first K runs one after another and scale to all N (0: all)",
+    )
     parser.add_argument(
         "--job-lrs",
         type=float,
