@@ -425,6 +425,7 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         for seed, lr in timed_alone:
+            began = time.perf_counter()
             run(
                 [
                     *common,
@@ -434,6 +435,7 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
                     *([f"--model.init_args.local_lr={lr}"] if lr is not None else []),
                 ]
             )
+            print(f"run alone, seed {seed}: {time.perf_counter() - began:.1f} s", flush=True)
         # the runs differ only by seed or lr: the untimed ones cost what the timed ones did
         alone = (time.perf_counter() - start) * len(alone_runs) / len(timed_alone)
         alone_memory = torch.cuda.max_memory_allocated() / 2**20 if cuda else None

@@ -97,16 +97,21 @@ def _final_state(cls: type[FederatedMethod], recorder: Any, **kwargs: Any) -> tu
     kwargs.setdefault("clients_per_round", 3)
     method = build(cls, dm, **kwargs)
     original = execution.make_round_graphs
+    made: list[RoundGraphs | None] = []
 
     def with_recorder(settings: Any, device: torch.device) -> RoundGraphs | None:
-        return RoundGraphs(recorder) if recorder is not None else original(settings, device)
+        made.append(RoundGraphs(recorder) if recorder is not None else original(settings, device))
+        return made[-1]
 
     execution.make_round_graphs = with_recorder  # type: ignore[assignment]
     try:
         fit(method, dm, rounds=3, accelerator="gpu" if torch.cuda.is_available() else "cpu")
     finally:
         execution.make_round_graphs = original
-    return method.state_dict(), method.store.state_dict(), method.executor.graphs
+    # the recorder training used: after fit the model is back on the CPU, where reading
+    # method.executor would choose a new executor for that device
+    assert len(made) == 1, f"{len(made)} executors were chosen during one fit"
+    return method.state_dict(), method.store.state_dict(), made[0]
 
 
 METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
