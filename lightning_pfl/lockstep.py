@@ -16,6 +16,7 @@ trained in a larger batch, which changes float rounding only.
 from __future__ import annotations
 
 import threading
+import time
 import types
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -189,6 +190,7 @@ class Lockstep:
         self.shared: dict[tuple[int, ...], SharedExecutor] = {}
         self.submissions = 0  # jobs handed in
         self.groups_trained = 0  # computations that trained them
+        self.trained_at: list[float] = []  # perf_counter() as each round's jobs start training
 
     # ----------------------------------------------------------------- turns
     def _give_turn(self, index: int | None) -> None:
@@ -213,6 +215,7 @@ class Lockstep:
         if not order:
             self._give_turn(None)
             return
+        self.trained_at.append(time.perf_counter())
         self._train_pending()
         self._give_turn(order[0])
 
