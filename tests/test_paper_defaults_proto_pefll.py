@@ -17,8 +17,10 @@ import torch
 from torch.func import grad
 
 from lightning_pfl.client_index import ClientIndex, draw_batches
-from lightning_pfl.engine import Params
+from lightning_pfl.engine import Params, TrainResult
+from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.methods.fedproto import FedProto
+from lightning_pfl.methods.pefll import PeFLL
 from lightning_pfl.validation import argument_default
 from tests.conftest import build, digits_data
 from tests.helpers import assert_vectorized_equals_sequential
@@ -124,3 +126,71 @@ def test_fedproto_drop_last_vectorized_equals_sequential() -> None:
     """Six clients of 125-257 samples in batches of 64: 1-4 full batches each, so clients
     idle for different numbers of dropped and padded steps."""
     assert_vectorized_equals_sequential(FedProto, batch_size=64)
+
+
+# ---------------------------------------------------------------------------------- PeFLL
+AUTHORS_CLIENT_SGD = {
+    "local_lr": 2e-3,
+    "batch_size": 32,
+    "local_steps": 50,
+    "local_epochs": None,
+    "local_momentum": 0.9,
+    "local_weight_decay": 5e-5,
+    "local_max_grad_norm": 50.0,
+}
+
+
+def test_pefll_defaults_to_the_authors_client_sgd() -> None:
+    defaults = {k: argument_default(PeFLL, k) for k in AUTHORS_CLIENT_SGD}
+    assert defaults == AUTHORS_CLIENT_SGD
+
+
+def pefll_with_its_defaults(**kwargs: Any) -> FederatedMethod:
+    """PeFLL with its own defaults but the network (the conftest's ``build`` would set its
+    test steps, batch and lr)."""
+    dm = digits_data(4)
+    method = PeFLL(
+        num_clients=dm.num_clients,
+        num_classes=dm.num_classes,
+        input_shape=dm.input_shape,
+        net="digits_cnn",
+        **kwargs,
+    )
+    method.attach_data(dm)
+    return method
+
+
+def test_pefll_default_client_takes_the_authors_sgd_steps() -> None:
+    """Two local steps (of the default 50, for time) from the generated theta in batches of 32:
+    clip to 50, add 5e-5 theta, momentum 0.9, lr 2e-3 (main: lr 5e-3, batch 64)."""
+    method = pefll_with_its_defaults(local_steps=2, clients_per_round=2)
+    assert isinstance(method, PeFLL)
+    clients = torch.tensor([0, 3])
+    started: list[Params] = []
+    results: list[TrainResult] = []
+    original = method.local_train
+
+    def wrapped(params: Params, *args: Any, **kwargs: Any) -> TrainResult:
+        started.append({n: t.clone() for n, t in params.items()})
+        results.append(original(params, *args, **kwargs))
+        return results[-1]
+
+    method.local_train = wrapped  # type: ignore[method-assign]
+    batches = method.draw_batches(clients, 0)
+    assert batches.index.shape == (2, 2, 32)
+    assert method.descriptor_batches(clients, 0)[2].shape == (2, 32)
+    method.run_round(0, clients)
+    lr, mu, wd, clip = 2e-3, 0.9, 5e-5, 50.0
+    for c in range(len(clients)):
+        w = {n: t[c] for n, t in started[0].items()}
+        m = {n: torch.zeros_like(t) for n, t in w.items()}
+        for step in range(2):
+            x, y = method.data.fetch(batches.index[c, step])
+            g = grad(method.cross_entropy)(w, {}, x, y, batches.weight[c, step])
+            norm = torch.sqrt(sum((t**2).sum() for t in g.values()))
+            scale = torch.clamp(clip / (norm + 1e-6), max=1.0)
+            g = {n: g[n] * scale + wd * w[n] for n in w}
+            m = {n: mu * m[n] + g[n] for n in w}
+            w = {n: w[n] - lr * m[n] for n in w}
+        for n in w:
+            torch.testing.assert_close(results[0].params[n][c], w[n], rtol=1e-4, atol=1e-6)
