@@ -3,8 +3,9 @@ PeFLL (the authors' client SGD: lr 2e-3, batch 32).
 
 FedProto: yuetan031/FedProto ``lib/update.py`` lines 41-42, ``DataLoader(..., shuffle=True,
 drop_last=True)``. PeFLL: pefllauthors/PeFLL ``train.py`` lines 522 and 534 (``--batch-size``
-32, ``--inner-lr`` 2e-3), its inner SGD at lines 309-310 and 338 (momentum 0.9, ``--inner-wd``
-5e-5, clip 50) over ``--inner-steps`` 50, each step on ``next(iter(train_loader))``.
+32, ``--inner-lr`` 2e-3), its inner SGD at lines 309-310 and 337 (momentum 0.9, ``--inner-wd``
+5e-5, clip 50) over ``--inner-steps`` 50 (line 523), each step on ``next(iter(train_loader))``
+(line 332), the first batch of a fresh shuffle (``dataset.py`` line 293).
 """
 
 from __future__ import annotations
