@@ -53,13 +53,18 @@ def draw_batches(
     generator: torch.Generator,
     steps: int | None = None,
     epochs: int | None = None,
+    drop_last: bool = False,
 ) -> ClientBatches:
     """Draw the local-training batches of ``clients`` by index, on the index's device.
 
     ``steps=K``: K batches, each ``min(batch_size, n_i)`` distinct random samples (pFedHN's
     "fresh random batch per inner step"). ``epochs=E``: E shuffled passes over each
     client's data in batches of ``batch_size`` (the last one smaller), so client i takes
-    ``E * ceil(n_i / batch_size)`` steps; clients that finish early idle.
+    ``E * ceil(n_i / batch_size)`` steps; clients that finish early idle. With ``drop_last``
+    an epoch's last, smaller batch is not taken (PyTorch's ``DataLoader(drop_last=True)``):
+    client i takes ``E * floor(n_i / batch_size)`` steps, none if it has fewer than
+    ``batch_size`` samples. ``drop_last`` changes nothing with ``steps``, where no batch is
+    left over.
     """
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps or epochs")
@@ -83,4 +88,9 @@ def draw_batches(
         perm = torch.cat([perm, padding.expand(*perm.shape[:2], pad)], -1)
         chosen = perm.view(len(clients), reps * per_epoch, batch)
     weight = (chosen < counts.view(-1, 1, 1)).float()
+    if drop_last and epochs is not None:
+        # batch j of an epoch holds that epoch's samples j*B .. (j+1)*B - 1 (B = batch_size)
+        ends = (torch.arange(per_epoch, device=device) + 1) * batch_size
+        full = (ends <= counts.view(-1, 1)).repeat(1, reps)  # [C, S]
+        weight = weight * full.unsqueeze(-1)
     return ClientBatches(index.lookup(clients, chosen), weight, weight.amax(-1) > 0)

@@ -337,10 +337,12 @@ class FederatedDataModule(LightningDataModule):
         steps: int | None = None,
         epochs: int | None = None,
         split: Split = "train",
+        drop_last: bool = False,
     ) -> ClientBatches:
         """Draw the local-training batches of ``clients`` in ``split`` by index, on the data
         device (:func:`~lightning_pfl.client_index.draw_batches`)."""
-        return draw_batches(self.index[split], clients, batch_size, generator, steps, epochs)
+        index = self.index[split]
+        return draw_batches(index, clients, batch_size, generator, steps, epochs, drop_last)
 
     def eval_blocks(
         self, clients: Tensor, split: Split, block: int

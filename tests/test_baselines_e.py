@@ -125,7 +125,9 @@ def test_fedgh_resume_is_exact(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------- pFedLHN
 def test_pfedlhn_each_layer_hypernetwork_generates_exactly_its_layer() -> None:
-    method = build(PFedLHN, digits_data(6), n_embeds=None, shared_embedding=True)
+    method = build(
+        PFedLHN, digits_data(6), n_embeds=None, shared_embedding=True, layer_modules="per_layer"
+    )
     assert isinstance(method, PFedLHN)
     hnet = method.hnet
     assert isinstance(hnet, LayerwiseHyperNetwork)
@@ -149,7 +151,12 @@ def test_pfedlhn_each_layer_hypernetwork_generates_exactly_its_layer() -> None:
     assert (
         len(
             build(
-                PFedLHN, digits_data(6), n_embeds=None, shared_embedding=False
+                PFedLHN,
+                digits_data(6),
+                n_embeds=None,
+                shared_embedding=False,
+                layer_modules="per_layer",
+                coefficients="per_layer",
             ).hnet.embedding_parameters()
         )
         == 4

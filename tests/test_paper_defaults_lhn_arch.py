@@ -1,7 +1,9 @@
 """Issue 43 item 3 for pFedLHN's hypernetwork: the public code's (tianyuzeke/pFedLHN) layer
-modules by default (``--hdim`` 128, one linear map without activation, ``--embed-dim`` 40, each
-layer's client input mixed from ``--n-embeds`` 5 shared embeddings with coefficients of standard
-deviation ``--norm-var`` 0.002), the old hypernetwork reachable."""
+module sizes by default (``--hdim`` 128, one linear map without activation, ``--embed-dim`` 40,
+the client input mixed from ``--n-embeds`` 5 shared embeddings with coefficients of standard
+deviation ``--norm-var`` 0.002), the old hypernetwork reachable. The shared body and per-tensor
+coefficients (the default since) are tested in test_paper_defaults_lhn_shared.py; the tests
+here of one hypernetwork per layer set ``layer_modules``/``coefficients: per_layer``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork, MixedEmbedding, PFedLHN
+from lightning_pfl.methods.pfedlhn import (
+    LayerwiseHyperNetwork,
+    MixedEmbedding,
+    PFedLHN,
+    SharedBodyHyperNetwork,
+)
 from tests.conftest import build, digits_data
 from tests.helpers import assert_resume_is_exact, assert_vectorized_equals_sequential
 
@@ -18,20 +25,18 @@ CONF = Path(__file__).parent / "conf"
 
 
 def coefficients_of(hnet: object) -> torch.Tensor:
-    """Every layer's initial mixing coefficients, stacked."""
-    assert isinstance(hnet, LayerwiseHyperNetwork)
-    rows = []
-    for layer in hnet.layer_modules():
-        assert isinstance(layer.embeddings, MixedEmbedding)
-        rows.append(layer.embeddings.coefficients.detach())
-    return torch.cat(rows)
+    """The initial mixing coefficients of every client and row, [rows, M]."""
+    assert isinstance(hnet, SharedBodyHyperNetwork)
+    assert isinstance(hnet.embeddings, MixedEmbedding)
+    return hnet.embeddings.coefficients.detach().flatten(0, 1)
 
 
-def test_pfedlhn_layer_modules_are_the_public_codes_by_default() -> None:
-    """CNNHyper (models.py l. 18-60): theta_k = W_k (W_1 c_i^l E + b_1) + b_k with E in
-    R^{5 x 40} shared by every layer, c_i^l in R^5 per layer, W_1 in R^{128 x 40} and no
-    activation; computed here by hand for every layer."""
-    method = build(PFedLHN, digits_data(6))
+def test_pfedlhn_per_layer_modules_have_the_public_codes_sizes() -> None:
+    """The code's sizes (models.py l. 18-60) in one hypernetwork per layer:
+    theta_k = W_k^l (W_1^l c_i^l E + b_1^l) + b_k with E in R^{5 x 40} shared by every layer,
+    c_i^l in R^5 per layer, W_1^l in R^{128 x 40} and no activation; computed here by hand for
+    every layer."""
+    method = build(PFedLHN, digits_data(6), layer_modules="per_layer", coefficients="per_layer")
     assert isinstance(method, PFedLHN)
     hnet = method.hnet
     assert isinstance(hnet, LayerwiseHyperNetwork)
@@ -65,11 +70,11 @@ def test_pfedlhn_layer_modules_are_the_public_codes_by_default() -> None:
 def test_pfedlhn_mixing_coefficients_start_at_the_codes_scale() -> None:
     """torch.normal(0, norm_var) with norm_var 0.002 (a standard deviation), basis N(0, 1)."""
     hnet = build(PFedLHN, digits_data(40)).hnet
-    assert isinstance(hnet, LayerwiseHyperNetwork)
     coefficients = coefficients_of(hnet)
-    assert coefficients.numel() == 40 * 5 * 4
+    assert coefficients.numel() == 40 * 8 * 5  # a row per client and tensor
     assert 0.0018 < float(coefficients.std()) < 0.0022
-    mixed = hnet.layer_modules()[0].embeddings
+    assert isinstance(hnet, SharedBodyHyperNetwork)
+    mixed = hnet.embeddings
     assert isinstance(mixed, MixedEmbedding)
     assert 0.8 < float(mixed.basis.weight.detach().std()) < 1.2
     scaled = coefficients_of(build(PFedLHN, digits_data(40), coefficient_std=0.2).hnet)
@@ -78,9 +83,15 @@ def test_pfedlhn_mixing_coefficients_start_at_the_codes_scale() -> None:
 
 def test_pfedlhn_one_coefficient_row_for_every_layer_is_the_codes_layer_wise_false() -> None:
     hnet = build(PFedLHN, digits_data(6), shared_embedding=True).hnet
-    assert isinstance(hnet, LayerwiseHyperNetwork)
-    assert len({id(layer.embeddings) for layer in hnet.layer_modules()}) == 1
+    assert isinstance(hnet, SharedBodyHyperNetwork)
+    assert hnet.groups == [0] * 8  # every tensor reads row 0
     assert len(hnet.embedding_parameters()) == 2  # c and E
+    per_layer = build(
+        PFedLHN, digits_data(6), shared_embedding=True, layer_modules="per_layer"
+    ).hnet
+    assert isinstance(per_layer, LayerwiseHyperNetwork)
+    assert len({id(layer.embeddings) for layer in per_layer.layer_modules()}) == 1
+    assert len(per_layer.embedding_parameters()) == 2
 
 
 def test_pfedlhn_old_layer_modules_stay_reachable() -> None:
@@ -94,6 +105,7 @@ def test_pfedlhn_old_layer_modules_stay_reachable() -> None:
         embed_dim=None,
         n_embeds=None,
         shared_embedding=True,
+        layer_modules="per_layer",
     )
     hnet = method.hnet
     assert isinstance(hnet, LayerwiseHyperNetwork)

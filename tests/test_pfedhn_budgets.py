@@ -150,7 +150,7 @@ def test_weighted_hypernetwork_gradient_is_the_gradient_of_the_weighted_surrogat
 
 
 def test_build_hypernetwork_is_the_hypernetwork_a_subclass_builds() -> None:
-    from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork, PFedLHN
+    from lightning_pfl.methods.pfedlhn import PFedLHN, SharedBodyHyperNetwork
 
     method = build(PFedLHN, digits_data(6))
-    assert isinstance(method.hnet, LayerwiseHyperNetwork)
+    assert isinstance(method.hnet, SharedBodyHyperNetwork)

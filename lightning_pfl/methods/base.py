@@ -365,12 +365,18 @@ class FederatedMethod(LightningModule, ABC):
         return SGDConfig(h.local_lr, h.local_momentum, h.local_weight_decay, h.local_max_grad_norm)
 
     def draw_batches(
-        self, clients: Tensor, round_idx: int, epochs: int | None = None, phase: int = 0
+        self,
+        clients: Tensor,
+        round_idx: int,
+        epochs: int | None = None,
+        phase: int = 0,
+        drop_last: bool = False,
     ) -> ClientBatches:
         """This round's local-training batches of ``clients`` (seeded by round and ``phase``).
 
         ``epochs`` overrides the method's ``local_epochs``/``local_steps``; a method that trains
         in several phases per round gives each its own ``phase`` so they draw different batches.
+        ``drop_last``: epochs skip their last, smaller batch (PyTorch's ``drop_last=True``).
         """
         h = self.hp
         keys = (h.seed, round_idx, BATCH_STREAM) + ((phase,) if phase else ())
@@ -382,6 +388,7 @@ class FederatedMethod(LightningModule, ABC):
             generator,
             steps=None if epochs is not None else h.local_steps,
             epochs=epochs,
+            drop_last=drop_last,
         )
         if self.unreliable is not None:
             batches = self.unreliable.restrict(batches, clients, round_idx)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -61,19 +61,39 @@ def combination_weights(h: Tensor, v: Tensor, eps: float = 1e-3) -> Tensor:
     return torch.tensor(np.stack(rows), dtype=h.dtype, device=h.device)
 
 
+def class_centroids(statistics: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Class centroids mu_ik ``[C, K, D]`` (zero for a class the client lacks) and class counts
+    n_ik ``[C, K]`` from :func:`~lightning_pfl.methods.fedproto.class_statistics`."""
+    sums, _, counts = statistics
+    return sums / counts.clamp_min(1).unsqueeze(-1), counts
+
+
+def feature_statistics(statistics: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """FedPAC's h_ik = pi_ik mu_ik ``[C, K, D]`` and v_i ``[C]`` (the authors' code's estimate
+    (sum_k pi_ik E||z||^2_k - sum_k pi_ik^2 ||mu_ik||^2) / n_i) from
+    :func:`~lightning_pfl.methods.fedproto.class_statistics`."""
+    _, sq, counts = statistics
+    mean, _ = class_centroids(statistics)
+    n = counts.sum(1, keepdim=True)  # [C, 1]
+    prior = counts / n  # pi_ik
+    v = ((sq / n).sum(1) - (prior**2 * (mean**2).sum(-1)).sum(1)) / n.squeeze(1)
+    return prior.unsqueeze(-1) * mean, v
+
+
 class FedPAC(FedAvg):
     """FedPAC: a shared feature extractor aligned to global class centroids, and per-client
     classifiers combined from the other clients' classifiers.
 
     Round for the sampled clients: each client takes the global body theta and its own head
-    phi_i; it first trains the head alone (``head_epochs`` at ``head_lr``, body frozen), then the
-    body on CE + lambda * ||f(x) - c_y||^2 / D with the head frozen (c_y: the global centroid of
-    the label from the previous round). It uploads the body, its head, its class centroids mu_ik
-    with counts, and its feature statistics h_ik = pi_ik mu_ik and
-    v_i = (sum_k pi_ik E||f(x)||^2_k - sum_k pi_ik^2 ||mu_ik||^2) / n_i. The server averages the
-    bodies (FedAvg), averages the centroids by class counts, and gives client i the head
-    sum_j alpha_ij phi_j with alpha_i solving the QP of :func:`combination_weights` over the
-    round's clients.
+    phi_i and computes, with the received theta, its feature statistics h_ik = pi_ik mu_ik and
+    v_i = (sum_k pi_ik E||f(x)||^2_k - sum_k pi_ik^2 ||mu_ik||^2) / n_i (``statistics``). It
+    then trains the head alone (``head_epochs`` at ``head_lr``, body frozen), then the body on
+    CE + lambda * ||f(x) - c_y||^2 / D with the head frozen (c_y: the global centroid of the
+    label from the previous round; ``missing_centroid`` for a label without one). It uploads
+    the body, its head, its class centroids of the trained body with counts, and h_i, v_i. The
+    server averages the bodies (FedAvg), averages the centroids by class counts
+    (``global_centroids``), and gives client i the head sum_j alpha_ij phi_j with alpha_i
+    solving the QP of :func:`combination_weights` over the round's clients.
 
     Args:
         lam: weight lambda of the feature-alignment term (paper: 1).
@@ -90,6 +110,19 @@ class FedPAC(FedAvg):
         batch_size: local batch size B (paper: 50).
         local_epochs: local epochs E of the body phase per round (paper: 5; null trains
             ``local_steps``).
+        statistics: the model the uploaded h_ik and v_i are computed with (the authors' code,
+            JianXu95/FedPAC ``running.py`` ``train_round_fedpac`` lines 202-208, calls
+            ``statistics_extraction`` before ``local_training``): ``before_training``, the
+            received global body; ``after_training``, the client's trained body. The centroids
+            averaged into c are the trained body's in both (``methods/fedpac.py`` line 251).
+        missing_centroid: the alignment target of a sample whose class has no global centroid
+            c_y: ``local``, the client's own centroid of the class under the received body, and
+            no alignment term at all in the first round (the authors' code, ``methods/fedpac.py``
+            lines 177 and 233-242); ``skip``, no alignment term for that sample.
+        global_centroids: ``round``: c holds the class-count-weighted centroids of the round's
+            clients only, a class none of them has has no centroid in the next round (the
+            authors' code, ``tools.py`` ``protos_aggregation`` and ``running.py`` lines 224 and
+            229); ``kept``: such a class keeps its previous centroid.
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: no clipping).
     """
 
@@ -103,6 +136,9 @@ class FedPAC(FedAvg):
         local_lr: PositiveFloat = 1e-2,
         batch_size: PositiveInt = 50,
         local_epochs: PositiveInt | None = 5,
+        statistics: Literal["before_training", "after_training"] = "before_training",
+        missing_centroid: Literal["local", "skip"] = "local",
+        global_centroids: Literal["round", "kept"] = "round",
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -119,7 +155,8 @@ class FedPAC(FedAvg):
         self.register_buffer("centroids", torch.zeros(k, d))
         self.register_buffer("has_centroid", torch.zeros(k))
         self.align_loss = prototype_regularized_loss(self.arch, lam)
-        self._statistics: tuple[Tensor, Tensor, Tensor] | None = None
+        self._statistics: tuple[Tensor, Tensor] | None = None  # (h, v)
+        self._centroids: tuple[Tensor, Tensor] | None = None
 
     def personal_names(self) -> tuple[str, ...]:
         return self.arch.head_names
@@ -130,9 +167,15 @@ class FedPAC(FedAvg):
         return replace(self.local_sgd(), lr=self.hp.local_lr if lr is None else lr)
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
-        """Head phase (body frozen), then body phase with alignment (head frozen)."""
+        """Statistics of the received body, head phase (body frozen), then body phase with
+        alignment (head frozen), then the trained body's centroids."""
         head = set(self.arch.head_names)
         buffers = set(self.arch.buffer_shapes)
+        received = (
+            class_statistics(self, start, clients)
+            if self.hp.statistics == "before_training" or self.hp.missing_centroid == "local"
+            else None
+        )
         heads = {n: t for n, t in start.items() if n in head or n in buffers}
         body = {n: t for n, t in start.items() if n not in head and n not in buffers}
         batches = self.draw_batches(clients, round_idx, epochs=self.hp.head_epochs, phase=1)
@@ -144,11 +187,6 @@ class FedPAC(FedAvg):
             context=body,
             batches=batches,
         )
-        c = len(clients)
-        centroids = {
-            "proto.value": self.centroids.expand(c, *self.centroids.shape),
-            "proto.present": self.has_centroid.expand(c, *self.has_centroid.shape),
-        }
         trained_head = {n: first.params[n] for n in head}
         state = {n: first.params[n] for n in buffers}
         second = self.local_train(
@@ -156,26 +194,45 @@ class FedPAC(FedAvg):
             clients,
             round_idx,
             loss_fn=self.align_loss,
-            context=trained_head | centroids,
+            context=trained_head | self.alignment_targets(round_idx, len(clients), received),
         )
         params = second.params | trained_head
-        self._statistics = class_statistics(self, params, clients)
+        trained = class_statistics(self, params, clients)
+        self._centroids = class_centroids(trained)
+        before = self.hp.statistics == "before_training"
+        self._statistics = feature_statistics(
+            received if before and received is not None else trained
+        )
         return TrainResult(params, second.momentum, second.loss, second.steps, second.state)
+
+    def alignment_targets(
+        self, round_idx: int, c: int, received: tuple[Tensor, Tensor, Tensor] | None
+    ) -> Params:
+        """c_y per client and class (``proto.value`` ``[C, K, D]``) and where the alignment
+        term applies (``proto.present`` ``[C, K]``)."""
+        target = self.centroids.expand(c, *self.centroids.shape)
+        present = self.has_centroid.expand(c, *self.has_centroid.shape)
+        if self.hp.missing_centroid == "local":
+            assert received is not None
+            own, _ = class_centroids(received)
+            target = torch.where(present.unsqueeze(-1) > 0, target, own)
+            # the authors' code adds no alignment term in the first round (``if round > 0``)
+            present = present if round_idx == 0 else torch.ones_like(present)
+        return {"proto.value": target, "proto.present": present}
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         loss = super().run_round(round_idx, clients)  # body FedAvg, trained heads kept
-        assert self._statistics is not None
-        sums, sq, counts = self._statistics
-        self._statistics = None
-        mean = sums / counts.clamp_min(1).unsqueeze(-1)  # mu_ik [C, K, D]
-        n = counts.sum(1, keepdim=True)  # [C, 1]
-        prior = counts / n  # pi_ik
-        v = ((sq / n).sum(1) - (prior**2 * (mean**2).sum(-1)).sum(1)) / n.squeeze(1)
-        h = prior.unsqueeze(-1) * mean
+        assert self._statistics is not None and self._centroids is not None
+        h, v = self._statistics
+        mean, counts = self._centroids
+        self._statistics = self._centroids = None
         alpha = combination_weights(h, v)
         heads = self.store.gather("personal", clients, self.device)
         combined = {name: torch.einsum("ij,j...->i...", alpha, t) for name, t in heads.items()}
         self.store.scatter("personal", clients, combined)
+        if self.hp.global_centroids == "round":
+            self.centroids.zero_()
+            self.has_centroid.zero_()
         new, present = aggregate_prototypes(mean, counts, self.centroids, self.has_centroid)
         self.centroids.copy_(new)
         self.has_centroid.copy_(present)

@@ -130,6 +130,11 @@ class FedProto(Local):
         local_lr: client SGD learning rate (the authors' code's ``--lr``: 0.01).
         local_epochs: local epochs per round (the authors' code's ``--train_ep``: 1; null
             trains ``local_steps``).
+        drop_last: an epoch's last, smaller batch is not trained on (the authors' client
+            loader, yuetan031/FedProto ``lib/update.py``: ``DataLoader(..., shuffle=True,
+            drop_last=True)``), so client i takes E * floor(n_i / B) steps, none if n_i < B;
+            False trains it too (E * ceil(n_i / B) steps). Only with ``local_epochs``: the
+            ``local_steps`` batches leave no sample over.
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod` (the batch stays
             the library's: the paper's 8 as our docs read it, the authors' ``--local_bs`` 4).
     """
@@ -144,6 +149,7 @@ class FedProto(Local):
         client_momentum: Literal["fresh", "kept"] = "fresh",
         local_lr: PositiveFloat = 1e-2,
         local_epochs: PositiveInt | None = 1,
+        drop_last: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -177,7 +183,13 @@ class FedProto(Local):
         kept = self.hp.client_momentum == "kept"
         momentum = self.store.gather("momentum", clients, self.device) if kept else None
         result = self.local_train(
-            params, clients, round_idx, loss_fn=self.proto_loss, context=sent, momentum=momentum
+            params,
+            clients,
+            round_idx,
+            loss_fn=self.proto_loss,
+            context=sent,
+            momentum=momentum,
+            batches=self.draw_batches(clients, round_idx, drop_last=self.hp.drop_last),
         )
         self.store.scatter("params", clients, result.params)
         if kept:

@@ -204,8 +204,14 @@ class PeFLL(PFedHN):
             theta during local training.
         hn_weight_decay: the server optimizer's weight decay, on top of the regularizers
             (default 0, as the code's Adam; its SGD: 1e-3).
+        local_lr: the client SGD's step size (default 2e-3, the authors' code's
+            ``--inner-lr``; pFedHN's 5e-3). The rest of the client's SGD is pFedHN's inner
+            loop, as in that code: momentum 0.9, weight decay 5e-5 (``--inner-wd``), clip 50,
+            K = 50 steps (``--inner-steps``), each on a fresh random batch.
+        batch_size: B, the client's batch (default 32, the authors' code's ``--batch-size``,
+            which also sizes its descriptor batches: ``descriptor_batch``'s default).
         **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (hypernetwork size,
-            ``hn_momentum``, ``hn_update``, and the inner loop K, eta).
+            ``hn_momentum``, ``hn_update``, and the inner loop K).
     """
 
     def __init__(
@@ -220,6 +226,8 @@ class PeFLL(PFedHN):
         lambda_theta: NonNegativeFloat = 0.0,
         n_hidden: NonNegativeInt = 3,
         hn_weight_decay: NonNegativeFloat = 0.0,
+        local_lr: PositiveFloat = 2e-3,
+        batch_size: PositiveInt = 32,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -227,6 +235,8 @@ class PeFLL(PFedHN):
             hn_lr=hn_lr,
             n_hidden=n_hidden,
             hn_weight_decay=hn_weight_decay,
+            local_lr=local_lr,
+            batch_size=batch_size,
             **kwargs,
         )
 
