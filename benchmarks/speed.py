@@ -424,8 +424,10 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
             run([*common, f"--trainer.logger.init_args.save_dir={logs}/warm_up"])
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
+        clocks = []
         for seed, lr in timed_alone:
             began = time.perf_counter()
+            clocks.append(RoundClock())
             run(
                 [
                     *common,
@@ -433,7 +435,8 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
                     f"--model.init_args.seed={seed}",
                     f"--data.init_args.seed={seed}",
                     *([f"--model.init_args.local_lr={lr}"] if lr is not None else []),
-                ]
+                ],
+                callbacks=[clocks[-1]],
             )
             print(f"run alone, seed {seed}: {time.perf_counter() - began:.1f} s", flush=True)
         # the runs differ only by seed or lr: the untimed ones cost what the timed ones did
@@ -456,6 +459,11 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
     lockstep = cli.job.lockstep
     runs = len(seeds) * len(lrs)
     run_rounds = runs * args.job_rounds
+    # rounds 2..N: a run alone from its second round's start to its end (RoundClock); the job
+    # from its second round's shared computation to its last (one job round between two)
+    alone_round = sum(c.seconds for c in clocks) / sum(c.rounds for c in clocks)
+    marks = lockstep.trained_at
+    job_round = (marks[-1] - marks[1]) / (len(marks) - 2) if len(marks) > 2 else None
     row = {
         "config": config,
         "runs": runs,
@@ -468,6 +476,13 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
         "one_after_another_run_rounds_per_second": run_rounds / alone,
         "job_run_rounds_per_second": run_rounds / together,
         "throughput_ratio": alone / together,
+        "one_run_alone_seconds_per_round_after_the_first": alone_round,
+        "job_seconds_per_round_after_the_first": job_round,
+        "job_seconds_before_the_first_computation": marks[0] - start if marks else None,
+        "throughput_ratio_after_the_first_round": (
+            alone_round * runs / job_round if job_round else None
+        ),
+        "torch_threads": torch.get_num_threads(),
         "jobs_handed_in": lockstep.submissions,
         "computations": lockstep.groups_trained,
         "trained_apart_because": sorted(lockstep.apart_reasons),
@@ -478,7 +493,10 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
     }
     print(
         f"job of {runs} x {args.job_rounds} rounds, {config}: one after another "
-        f"{alone:.1f} s, as one job {together:.1f} s: {row['throughput_ratio']:.2f}x",
+        f"{alone:.1f} s, as one job {together:.1f} s: {row['throughput_ratio']:.2f}x; "
+        f"rounds after the first: {1e3 * alone_round:.1f} ms a run alone, "
+        f"{1e3 * (job_round or float('nan')):.1f} ms a job round: "
+        f"{row['throughput_ratio_after_the_first_round'] or float('nan'):.2f}x",
         flush=True,
     )
     return row

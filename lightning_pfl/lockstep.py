@@ -16,6 +16,7 @@ trained in a larger batch, which changes float rounding only.
 from __future__ import annotations
 
 import threading
+import time
 import types
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -177,7 +178,10 @@ class Lockstep:
     """
 
     def __init__(self, count: int, rng_states: Sequence[RngState]) -> None:
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        # one condition per run on the one lock: passing the turn wakes only the run that
+        # takes it (a shared condition woke every waiting run at every hand-off)
+        self.conds = [threading.Condition(self.lock) for _ in range(count)]
         self.turn: int | None = None
         self.live = set(range(count))
         self.pending: dict[int, _Pending] = {}
@@ -186,17 +190,19 @@ class Lockstep:
         self.shared: dict[tuple[int, ...], SharedExecutor] = {}
         self.submissions = 0  # jobs handed in
         self.groups_trained = 0  # computations that trained them
+        self.trained_at: list[float] = []  # perf_counter() as each round's jobs start training
 
     # ----------------------------------------------------------------- turns
     def _give_turn(self, index: int | None) -> None:
         if index is not None:
             set_rng(self.rng[index])
         self.turn = index
-        self.cond.notify_all()
+        for cond in self.conds if index is None else [self.conds[index]]:
+            cond.notify()
 
     def _await_turn(self, index: int) -> None:
         while self.turn != index:
-            self.cond.wait()
+            self.conds[index].wait()
 
     def _pass_from(self, index: int) -> None:
         """Called by the run holding the turn when it hands in a job or ends."""
@@ -209,6 +215,7 @@ class Lockstep:
         if not order:
             self._give_turn(None)
             return
+        self.trained_at.append(time.perf_counter())
         self._train_pending()
         self._give_turn(order[0])
 
@@ -217,14 +224,14 @@ class Lockstep:
         outcomes: list[Any] = [None] * len(targets)
 
         def body(index: int) -> None:
-            with self.cond:
+            with self.lock:
                 self._await_turn(index)
             try:
                 outcomes[index] = targets[index]()
             except BaseException as error:  # reported by the job, never lost
                 outcomes[index] = error
             finally:
-                with self.cond:
+                with self.lock:
                     self.live.discard(index)
                     self._pass_from(index)
 
@@ -234,7 +241,7 @@ class Lockstep:
         ]
         for thread in threads:
             thread.start()
-        with self.cond:
+        with self.lock:
             self._give_turn(0 if targets else None)
         for thread in threads:
             while thread.is_alive():  # a timeout lets the main thread handle signals
@@ -243,7 +250,7 @@ class Lockstep:
 
     def submit(self, index: int, job: TrainJob, executor: Executor) -> TrainResult:
         """Hand in run ``index``'s job, wait for the turn to come back, return its result."""
-        with self.cond:
+        with self.lock:
             self.rng[index] = get_rng()
             self.pending[index] = _Pending(job, executor)
             self.submissions += 1
