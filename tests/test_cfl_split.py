@@ -19,7 +19,9 @@ def first_round(round_idx: int, **kwargs: float) -> tuple[CFL, torch.Tensor]:
     before = {n: t[0].clone() for n, t in method.models().items()}
     trained = capture_local_training(method)
     method.run_round(round_idx, torch.arange(6))
-    delta = torch.cat([(trained[0].params[n] - before[n]).flatten(1) for n in method.arch.shapes], 1)
+    delta = torch.cat(
+        [(trained[0].params[n] - before[n]).flatten(1) for n in method.arch.shapes], 1
+    )
     return method, delta
 
 
