@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pfl.methods.fedproto import FedProto
+from lightning_pfl.partition import Dirichlet
 from tests.conftest import build, digits_data
 from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential
 
@@ -48,7 +49,7 @@ def _by_hand(
 
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_prototypes_are_the_last_epochs_training_features_of_each_batch(epochs: int) -> None:
-    dm = digits_data(4)
+    dm = digits_data(3, partition=Dirichlet(0.5, min_samples=20))  # clients share classes
     method = build(FedProto, dm, clients_per_round=2, local_epochs=epochs, batch_size=16)
     assert isinstance(method, FedProto)
     assert not method.arch.stochastic, "the loop by hand needs a deterministic forward pass"
@@ -58,8 +59,13 @@ def test_prototypes_are_the_last_epochs_training_features_of_each_batch(epochs: 
         "the test needs samples outside the last epoch's batches (drop_last)"
     )
     method.run_round(0, clients)
-    present = counts.sum(0) > 0
-    expected = sums.sum(0)[present] / counts.sum(0)[present].unsqueeze(-1)
+    # the server's n_ik: the client's class-k training samples, where it has a prototype
+    labels = [dm.fetch(torch.as_tensor(dm._parts["train"][c]))[1] for c in clients.tolist()]
+    n = torch.stack([torch.bincount(y, minlength=dm.num_classes) for y in labels]).float()
+    n = n * (counts > 0)
+    present = n.sum(0) > 0
+    mean = sums / counts.clamp_min(1).unsqueeze(-1)
+    expected = (n.unsqueeze(-1) * mean).sum(0)[present] / n.sum(0)[present].unsqueeze(-1)
     torch.testing.assert_close(method.prototypes[present], expected, rtol=1e-4, atol=1e-5)
     assert torch.equal(method.has_prototype, present.float())
 

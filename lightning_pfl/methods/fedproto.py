@@ -155,7 +155,8 @@ class FedProto(Local):
     C_y the global prototype of its label (no term for classes without one yet); its
     prototypes C_ik are the mean of f_i(x) over the class-k samples of the batches of its last
     local epoch, computed in training mode by that epoch's forward passes (``prototypes``), and
-    it uploads them with those sample counts n_ik. The server sets
+    it uploads them with its class counts n_ik (zero for a class it has no prototype of). The
+    server sets
     C_k = sum_i n_ik C_ik / sum_i n_ik over the clients that have class k (classes no client of
     the round has keep their prototype).
     Only prototypes (and class counts) are communicated.
@@ -180,12 +181,12 @@ class FedProto(Local):
             trains ``local_steps``).
         prototypes: how a client computes its prototypes C_ik. ``last_epoch``: the mean of
             the training-mode features of its class-k samples in the batches of its last
-            local epoch, each taken in that batch's forward pass (before its step), counts
-            n_ik of those samples (the authors' code, yuetan031/FedProto ``lib/update.py``
-            ``update_weights_het``, which restarts its collection every epoch); with
-            ``local_steps``, the batches of all the round's steps. ``training_split``: the
-            mean of the evaluation-mode features of the trained model over all its class-k
-            training samples, n_ik their number.
+            local epoch, each taken by that batch's forward pass, before its step; with
+            ``local_steps``, in the batches of all the round's steps (the authors' code,
+            yuetan031/FedProto ``lib/update.py`` ``update_weights_het``, which restarts its
+            collection every epoch). ``training_split``: the mean of the evaluation-mode
+            features of the trained model over all its class-k training samples. A class
+            without such samples gets no prototype (n_ik = 0 in the server's average).
         drop_last: an epoch's last, smaller batch is not trained on (the authors' client
             loader, yuetan031/FedProto ``lib/update.py``: ``DataLoader(..., shuffle=True,
             drop_last=True)``), so client i takes E * floor(n_i / B) steps, none if n_i < B;
@@ -242,7 +243,10 @@ class FedProto(Local):
         momentum = self.store.gather("momentum", clients, self.device) if kept else None
         batches = self.draw_batches(clients, round_idx, drop_last=self.hp.drop_last)
         if self.hp.prototypes == "last_epoch":
-            result, sums, counts = self.train_collecting(params, sent, momentum, batches)
+            result, sums, seen = self.train_collecting(params, sent, momentum, batches)
+            local = sums / seen.clamp_min(1).unsqueeze(-1)
+            # n_ik: the client's class-k training samples, for the classes it has a prototype of
+            counts = torch.where(seen > 0, self.class_counts(clients), 0.0)
         else:
             result = self.local_train(
                 params,
@@ -254,22 +258,27 @@ class FedProto(Local):
                 batches=batches,
             )
             sums, _, counts = class_statistics(self, result.params, clients)
+            local = sums / counts.clamp_min(1).unsqueeze(-1)
         self.store.scatter("params", clients, result.params)
         if kept:
             self.store.scatter("momentum", clients, result.momentum)
-        local = sums / counts.clamp_min(1).unsqueeze(-1)
         new, present = aggregate_prototypes(local, counts, self.prototypes, self.has_prototype)
         self.prototypes.copy_(new)
         self.has_prototype.copy_(present)
         self.record_communication(down=sent, up={"prototypes": local, "counts": counts})
         return result.loss
 
+    def class_counts(self, clients: Tensor) -> Tensor:
+        """Training samples per class of ``clients``, ``[C, K]``."""
+        counts = torch.as_tensor(self.data.partition_counts()["train"], dtype=torch.float32)
+        return counts[clients.cpu()].to(self.device)
+
     def train_collecting(
         self, params: Params, sent: Params, momentum: Params | None, batches: ClientBatches
     ) -> tuple[TrainResult, Tensor, Tensor]:
-        """Local training (as :meth:`local_train`) with :func:`prototype_collecting_loss`:
-        the result, the per-class feature sums ``[C, K, D]`` and counts ``[C, K]`` of each
-        client's last local epoch."""
+        """Local training (as :meth:`local_train`, which carries only the network's buffers
+        as state) with :func:`prototype_collecting_loss`: the result, the per-class feature
+        sums ``[C, K, D]`` and sample counts ``[C, K]`` of each client's last local epoch."""
         buffers = {n: t for n, t in params.items() if n in self.arch.buffer_shapes}
         trainable = {n: t for n, t in params.items() if n not in buffers}
         c, (k, d) = len(batches.active), self.prototypes.shape
