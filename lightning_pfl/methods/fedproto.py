@@ -156,10 +156,9 @@ class FedProto(Local):
     prototypes C_ik are the mean of f_i(x) over the class-k samples of the batches of its last
     local epoch, computed in training mode by that epoch's forward passes (``prototypes``), and
     it uploads them with its class counts n_ik (zero for a class it has no prototype of). The
-    server sets
-    C_k = sum_i n_ik C_ik / sum_i n_ik over the clients that have class k (classes no client of
-    the round has keep their prototype).
-    Only prototypes (and class counts) are communicated.
+    server sets C_k = sum_i n_ik C_ik / sum_i n_ik over the clients that have class k (classes
+    no client of the round has keep their prototype). Only prototypes (and class counts) are
+    communicated.
 
     The client's model stays on the client; its SGD starts every round with zero momentum, as
     the authors' code builds a new optimizer each round (``client_momentum: fresh``), or keeps
