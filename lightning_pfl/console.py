@@ -1,11 +1,12 @@
 """What a run prints: its result at the end, and none of the third-party noise around it.
 
 :func:`result_lines` closes ``fit`` and ``test`` with the test accuracy (mean over clients and
-pooled) at the best-validation round (without a validation split: the mean +- std over the last
-evaluations and the best evaluation) and at the last round, and where ``results.json`` and the
-TensorBoard logs are. :func:`quiet_third_party` drops, by message, Lightning's advertisements
-for its cloud loggers and torch's deprecation of a class Lightning uses internally: neither is
-something a user of this command can act on.
+pooled) of :func:`closing_entries` (the best-validation round, or without a validation split the
+mean +- std over the last evaluations and the best evaluation; then the last round), and where
+``results.json`` and the TensorBoard logs are; a job's table over seeds
+(:func:`lightning_pfl.jobs.format_summary`) shows the same entries. :func:`quiet_third_party`
+drops, by message, Lightning's advertisements for its cloud loggers and torch's deprecation of
+a class Lightning uses internally: neither is something a user of this command can act on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 # Lightning's rank-zero messages go through these loggers (pytorch's replaces fabric's on import).
@@ -43,6 +45,34 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=LEAFSPEC_DEPRECATION, category=FutureWarning)
 
 
+@dataclass(frozen=True)
+class ClosingEntry:
+    """One entry of a closing table: the ``results.json`` test summary ``section``, read as the
+    mean over clients (``key``) and pooled (``pooled``)."""
+
+    title: str
+    section: str
+    key: str
+    pooled: str
+
+
+AT_BEST_VALIDATION = ClosingEntry("test@best", "test_at_best_val", "acc", "acc_weighted")
+OVER_LAST_EVALUATIONS = ClosingEntry(
+    "last-evals", "test_last_evals", "acc_mean", "acc_weighted_mean"
+)
+BEST_EVALUATION = ClosingEntry("best-eval", "test_max_over_evals", "acc", "acc_weighted")
+AT_LAST_ROUND = ClosingEntry("test@last", "test_last", "acc", "acc_weighted")
+
+
+def closing_entries(validated: bool) -> tuple[ClosingEntry, ...]:
+    """What closes a run (and a job): the test accuracy at the best-validation round, then at
+    the last round; without a validation split (``validated`` False: no best round) the mean
+    over the last evaluations and the best evaluation, the papers' summaries over evaluations,
+    take the best round's place."""
+    first = (AT_BEST_VALIDATION,) if validated else (OVER_LAST_EVALUATIONS, BEST_EVALUATION)
+    return (*first, AT_LAST_ROUND)
+
+
 def result_lines(
     results: Mapping[str, Any], results_path: str | None, tensorboard_dir: str | None
 ) -> list[str]:
@@ -55,19 +85,23 @@ def result_lines(
         last, missing = "last round", "not evaluated (--test_after_fit false)"
     else:
         last, missing = "checkpoint's round", "not evaluated"
-    last_row = (f"{last} {results['rounds']}", _accuracies(results.get("test_last"), missing))
-    if results.get("select_metric") is None:
-        rows = [last_row, *_over_evaluations_rows(results)]
-    else:
-        best_label = (
-            f"best val/{results['select_metric']} round {best_round}"
-            if best_round is not None
-            else "best validation round"
-        )
-        rows = [
-            (best_label, _accuracies(results.get("test_at_best_val"), "no validation ran")),
-            last_row,
-        ]
+    best_label = (
+        f"best val/{results['select_metric']} round {best_round}"
+        if best_round is not None
+        else "best validation round"
+    )
+    rows_of = {
+        AT_BEST_VALIDATION: [
+            (best_label, _accuracies(results.get("test_at_best_val"), "no validation ran"))
+        ],
+        OVER_LAST_EVALUATIONS: _over_evaluations_rows(results),
+        BEST_EVALUATION: [],  # in the over-evaluations rows, which need both summaries
+        AT_LAST_ROUND: [
+            (f"{last} {results['rounds']}", _accuracies(results.get("test_last"), missing))
+        ],
+    }
+    validated = results.get("select_metric") is not None
+    rows = [row for entry in closing_entries(validated) for row in rows_of[entry]]
     width = max(len(label) for label, _ in rows)
     lines = [f"{results['method'] + ' test accuracy':<{width}}  mean over clients  pooled"]
     lines += [f"{label:<{width}}  {values}" for label, values in rows]

@@ -24,6 +24,7 @@ from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_pfl.console import closing_entries
 from lightning_pfl.errors import ConfigError, RunInterrupted
 from lightning_pfl.lockstep import Lockstep, LockstepExecutor, get_rng
 
@@ -50,13 +51,12 @@ SHAPE_KEYS = (
     "trainer.",
 )
 REPORTED = (
-    ("test_at_best_val", "acc"),
-    ("test_at_best_val", "acc_weighted"),
-    ("test_last", "acc"),
-    ("test_last", "acc_weighted"),
-    ("test_max_over_evals", "acc"),
-    ("test_last_evals", "acc_mean"),
-    ("test_last_evals", "acc_weighted_mean"),
+    *dict.fromkeys(
+        (entry.section, key)
+        for validated in (True, False)
+        for entry in closing_entries(validated)
+        for key in (entry.key, entry.pooled)
+    ),
     ("seconds_per_round", None),
 )
 SUMMARY_FILE = "job.json"
@@ -272,23 +272,15 @@ def summarize(
 
 
 def format_summary(summary: dict[str, Any], path: Path) -> str:
-    """The job's closing table: test accuracy at the best-validation round and at the last
-    round; without validation (no run has a best round) the mean over the last evaluations
-    (``test_last_evals``, e.g. FedTP's metric) takes the best round's place."""
-    if any("test_at_best_val.acc" in row for row in summary["points"]):
-        first = [
-            ("test_at_best_val.acc", "test@best acc"),
-            ("test_at_best_val.acc_weighted", "pooled"),
-        ]
-    else:
-        first = [
-            ("test_last_evals.acc_mean", "last-evals acc"),
-            ("test_last_evals.acc_weighted_mean", "pooled"),
-        ]
+    """The job's closing table: a run's closing entries (:func:`~lightning_pfl.console.
+    closing_entries`: test accuracy at the best-validation round and at the last round; without
+    validation, when no run has a best round, the mean over the last evaluations and the best
+    evaluation in the best round's place), as mean +- std over seeds per grid point."""
+    validated = any("test_at_best_val.acc" in row for row in summary["points"])
     columns = [
-        *first,
-        ("test_last.acc", "test@last acc"),
-        ("test_last.acc_weighted", "pooled"),
+        (f"{entry.section}.{key}", title)
+        for entry in closing_entries(validated)
+        for key, title in ((entry.key, f"{entry.title} acc"), (entry.pooled, "pooled"))
     ]
     lines = [f"job summary ({path}): mean +- std over seeds, accuracy in %"]
     lines.append(" | ".join(["grid point", "runs"] + [title for _, title in columns]))

@@ -361,11 +361,24 @@ def test_a_job_without_validation_summarizes_the_last_evaluations(tmp_path: Path
             "val_at_best": None,
             "test_last": {"acc": mean, "acc_weighted": pooled},
             "test_last_evals": {"acc_mean": mean, "acc_weighted_mean": pooled},
+            "test_max_over_evals": {"acc": mean + 0.1, "acc_weighted": pooled + 0.1},
         }
         path.write_text(json.dumps(results))
         paths.append(path)
     summary = summarize(specs, paths, "acc")
     assert summary["best_point"] is None
     header, row = format_summary(summary, tmp_path / "job.json").splitlines()[1:3]
-    assert header.split(" | ")[2] == "last-evals acc"
-    assert row.split(" | ")[2:4] == ["70.00 +- 10.00", "60.00 +- 10.00"]
+    # a run's closing entries without validation (console.closing_entries), over seeds
+    assert header.split(" | ")[2:] == [
+        "last-evals acc",
+        "pooled",
+        "best-eval acc",
+        "pooled",
+        "test@last acc",
+        "pooled",
+    ]
+    assert row.split(" | ")[2:] == ["70.00 +- 10.00", "60.00 +- 10.00", "80.00 +- 10.00"] + [
+        "70.00 +- 10.00",
+        "70.00 +- 10.00",
+        "60.00 +- 10.00",
+    ]

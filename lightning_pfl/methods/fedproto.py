@@ -9,7 +9,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import vmap
 
-from lightning_pfl.engine import Architecture, LossFn, Params, weighted_cross_entropy
+from lightning_pfl.engine import (
+    Architecture,
+    ClientBatches,
+    LossFn,
+    ParamGroup,
+    Params,
+    TrainResult,
+    weighted_cross_entropy,
+)
+from lightning_pfl.execution import TrainJob
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.methods.local import Local
@@ -70,6 +79,19 @@ def aggregate_prototypes(
     return torch.where(seen.unsqueeze(-1), mean, previous), torch.maximum(present, seen.float())
 
 
+def _regularized(
+    arch: Architecture, lam: float, params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
+) -> tuple[Tensor, Params, Tensor]:
+    """:func:`prototype_regularized_loss`'s objective, updated buffers and features f(x)."""
+    model = {n: t for n, t in context.items() if not n.startswith("proto.")} | params
+    buffers = {n: model[n].clone() for n in arch.buffer_shapes}
+    z = arch.features({**model, **buffers}, x, train=True)
+    ce = weighted_cross_entropy(arch.classify(model, z), y, w)
+    target, mask = context["proto.value"][y], context["proto.present"][y]
+    distance = ((z.float() - target) ** 2).mean(-1) * mask
+    return ce + lam * weighted_mean(distance, w), buffers, z
+
+
 def prototype_regularized_loss(arch: Architecture, lam: float) -> LossFn:
     """CE + lam * mean over the batch of ||f(x) - P_y||^2 / D (FedProto's and FedPAC's local loss).
 
@@ -82,14 +104,38 @@ def prototype_regularized_loss(arch: Architecture, lam: float) -> LossFn:
     def loss(
         params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
     ) -> Tensor | tuple[Tensor, Params]:
-        model = {n: t for n, t in context.items() if not n.startswith("proto.")} | params
-        buffers = {n: model[n].clone() for n in arch.buffer_shapes}
-        z = arch.features({**model, **buffers}, x, train=True)
-        ce = weighted_cross_entropy(arch.classify(model, z), y, w)
-        target, mask = context["proto.value"][y], context["proto.present"][y]
-        distance = ((z.float() - target) ** 2).mean(-1) * mask
-        total = ce + lam * weighted_mean(distance, w)
+        total, buffers, _ = _regularized(arch, lam, params, context, x, y, w)
         return (total, buffers) if buffers else total
+
+    return loss
+
+
+def prototype_collecting_loss(arch: Architecture, lam: float, num_classes: int) -> LossFn:
+    """:func:`prototype_regularized_loss` that also sums the features it computes, per class.
+
+    The loss's state holds, besides the network's buffers, ``proto.sum`` ``[K, D]`` and
+    ``proto.count`` ``[K]``: the sums of the training-mode features f(x) (of the parameters
+    before the step) of the batch samples (weight > 0) of the client's current local epoch, and
+    their counts; ``proto.steps`` counts the client's steps. Both restart at every epoch's
+    first step (every ``proto.epoch_steps``-th step, from ``context``), so that after local
+    training they hold the last epoch's (FedProto's code collects the prototypes this way:
+    yuetan031/FedProto ``lib/update.py`` ``update_weights_het``).
+    """
+
+    def loss(
+        params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
+    ) -> tuple[Tensor, Params]:
+        total, buffers, z = _regularized(arch, lam, params, context, x, y, w)
+        steps = context["proto.steps"]
+        kept = (torch.remainder(steps, context["proto.epoch_steps"]) != 0).float()
+        classes = torch.arange(num_classes, device=y.device)  # F.one_hot cannot run under vmap
+        onehot = (y.unsqueeze(-1) == classes).float() * (w > 0).float().unsqueeze(-1)  # [b, K]
+        tally = {
+            "proto.sum": context["proto.sum"] * kept + onehot.T @ z.detach().float(),
+            "proto.count": context["proto.count"] * kept + onehot.sum(0),
+            "proto.steps": steps + 1,
+        }
+        return total, buffers | tally
 
     return loss
 
@@ -106,11 +152,13 @@ class FedProto(Local):
 
     Round: each sampled client i trains its own model (kept on the client, like
     :class:`~lightning_pfl.methods.local.Local`) on CE + lambda * ||f_i(x) - C_y||^2 / D, with
-    C_y the global prototype of its label (no term for classes without one yet); it then
-    computes its prototypes C_ik = mean of f_i(x) over its class-k training samples and uploads
-    them with the counts n_ik. The server sets C_k = sum_i n_ik C_ik / sum_i n_ik over the
-    clients that have class k (classes no client of the round has keep their prototype).
-    Only prototypes (and class counts) are communicated.
+    C_y the global prototype of its label (no term for classes without one yet); its
+    prototypes C_ik are the mean of f_i(x) over the class-k samples of the batches of its last
+    local epoch, computed in training mode by that epoch's forward passes (``prototypes``), and
+    it uploads them with its class counts n_ik (zero for a class it has no prototype of). The
+    server sets C_k = sum_i n_ik C_ik / sum_i n_ik over the clients that have class k (classes
+    no client of the round has keep their prototype). Only prototypes (and class counts) are
+    communicated.
 
     The client's model stays on the client; its SGD starts every round with zero momentum, as
     the authors' code builds a new optimizer each round (``client_momentum: fresh``), or keeps
@@ -130,6 +178,14 @@ class FedProto(Local):
         local_lr: client SGD learning rate (the authors' code's ``--lr``: 0.01).
         local_epochs: local epochs per round (the authors' code's ``--train_ep``: 1; null
             trains ``local_steps``).
+        prototypes: how a client computes its prototypes C_ik. ``last_epoch``: the mean of
+            the training-mode features of its class-k samples in the batches of its last
+            local epoch, each taken by that batch's forward pass, before its step; with
+            ``local_steps``, in the batches of all the round's steps (the authors' code,
+            yuetan031/FedProto ``lib/update.py`` ``update_weights_het``, which restarts its
+            collection every epoch). ``training_split``: the mean of the evaluation-mode
+            features of the trained model over all its class-k training samples. A class
+            without such samples gets no prototype (n_ik = 0 in the server's average).
         drop_last: an epoch's last, smaller batch is not trained on (the authors' client
             loader, yuetan031/FedProto ``lib/update.py``: ``DataLoader(..., shuffle=True,
             drop_last=True)``), so client i takes E * floor(n_i / B) steps, none if n_i < B;
@@ -150,6 +206,7 @@ class FedProto(Local):
         local_lr: PositiveFloat = 1e-2,
         local_epochs: PositiveInt | None = 1,
         drop_last: bool = True,
+        prototypes: Literal["last_epoch", "training_split"] = "last_epoch",
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -168,6 +225,7 @@ class FedProto(Local):
         self.register_buffer("prototypes", torch.zeros(k, d))
         self.register_buffer("has_prototype", torch.zeros(k))
         self.proto_loss = prototype_regularized_loss(self.arch, lam)
+        self.collecting_loss = prototype_collecting_loss(self.arch, lam, k)
 
     def prototype_payload(self, clients: Tensor) -> Params:
         """The global prototypes and their mask, expanded to ``clients``."""
@@ -182,25 +240,72 @@ class FedProto(Local):
         params = self.store.gather("params", clients, self.device)
         kept = self.hp.client_momentum == "kept"
         momentum = self.store.gather("momentum", clients, self.device) if kept else None
-        result = self.local_train(
-            params,
-            clients,
-            round_idx,
-            loss_fn=self.proto_loss,
-            context=sent,
-            momentum=momentum,
-            batches=self.draw_batches(clients, round_idx, drop_last=self.hp.drop_last),
-        )
+        batches = self.draw_batches(clients, round_idx, drop_last=self.hp.drop_last)
+        if self.hp.prototypes == "last_epoch":
+            result, sums, seen = self.train_collecting(params, sent, momentum, batches)
+            local = sums / seen.clamp_min(1).unsqueeze(-1)
+            # n_ik: the client's class-k training samples, for the classes it has a prototype of
+            counts = torch.where(seen > 0, self.class_counts(clients), 0.0)
+        else:
+            result = self.local_train(
+                params,
+                clients,
+                round_idx,
+                loss_fn=self.proto_loss,
+                context=sent,
+                momentum=momentum,
+                batches=batches,
+            )
+            sums, _, counts = class_statistics(self, result.params, clients)
+            local = sums / counts.clamp_min(1).unsqueeze(-1)
         self.store.scatter("params", clients, result.params)
         if kept:
             self.store.scatter("momentum", clients, result.momentum)
-        sums, _, counts = class_statistics(self, result.params, clients)
-        local = sums / counts.clamp_min(1).unsqueeze(-1)
         new, present = aggregate_prototypes(local, counts, self.prototypes, self.has_prototype)
         self.prototypes.copy_(new)
         self.has_prototype.copy_(present)
         self.record_communication(down=sent, up={"prototypes": local, "counts": counts})
         return result.loss
+
+    def class_counts(self, clients: Tensor) -> Tensor:
+        """Training samples per class of ``clients``, ``[C, K]``."""
+        counts = torch.as_tensor(self.data.partition_counts()["train"], dtype=torch.float32)
+        return counts[clients.cpu()].to(self.device)
+
+    def train_collecting(
+        self, params: Params, sent: Params, momentum: Params | None, batches: ClientBatches
+    ) -> tuple[TrainResult, Tensor, Tensor]:
+        """Local training (as :meth:`local_train`, which carries only the network's buffers
+        as state) with :func:`prototype_collecting_loss`: the result, the per-class feature
+        sums ``[C, K, D]`` and sample counts ``[C, K]`` of each client's last local epoch."""
+        buffers = {n: t for n, t in params.items() if n in self.arch.buffer_shapes}
+        trainable = {n: t for n, t in params.items() if n not in buffers}
+        c, (k, d) = len(batches.active), self.prototypes.shape
+        epochs = self.hp.local_epochs or 1  # with local_steps: one pass of all the steps
+        # a client's steps with samples: the same number in every epoch, idle ones not counted
+        drawn = (batches.weight.amax(-1) > 0).sum(1)
+        tally = {
+            "proto.sum": torch.zeros(c, k, d, device=self.device),
+            "proto.count": torch.zeros(c, k, device=self.device),
+            "proto.steps": torch.zeros(c, dtype=torch.long, device=self.device),
+        }
+        epoch_steps = (drawn // epochs).clamp_min(1).to(self.device)
+        result = self.executor.train(
+            TrainJob(
+                self.collecting_loss,
+                trainable,
+                (ParamGroup(tuple(trainable), self.local_sgd()),),
+                batches,
+                self.arch,
+                sent | {"proto.epoch_steps": epoch_steps},
+                momentum,
+                buffers | tally,
+            )
+        )
+        state = result.state
+        result.params = {**result.params, **{n: state[n] for n in buffers}}
+        result.state = {n: state[n] for n in buffers}
+        return result, state["proto.sum"], state["proto.count"]
 
     def predict(self, params: Params, x: Tensor) -> Tensor:
         if self.hp.predict_by == "head":

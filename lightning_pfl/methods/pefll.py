@@ -210,6 +210,10 @@ class PeFLL(PFedHN):
             K = 50 steps (``--inner-steps``), each on a fresh random batch.
         batch_size: B, the client's batch (default 32, the authors' code's ``--batch-size``,
             which also sizes its descriptor batches: ``descriptor_batch``'s default).
+        clients_per_round: C, the clients sampled (uniformly, without replacement) per server
+            step (default 5, the authors' code's ``--clients-per-step``, pefllauthors/PeFLL
+            ``train.py`` line 511; pFedHN's default is 1). As in that code (lines 272-366) the
+            server step takes the mean (1/C) sum_i of the C clients' gradients, then clips it.
         **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN` (hypernetwork size,
             ``hn_momentum``, ``hn_update``, and the inner loop K).
     """
@@ -228,6 +232,7 @@ class PeFLL(PFedHN):
         hn_weight_decay: NonNegativeFloat = 0.0,
         local_lr: PositiveFloat = 2e-3,
         batch_size: PositiveInt = 32,
+        clients_per_round: PositiveInt = 5,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -237,6 +242,7 @@ class PeFLL(PFedHN):
             hn_weight_decay=hn_weight_decay,
             local_lr=local_lr,
             batch_size=batch_size,
+            clients_per_round=clients_per_round,
             **kwargs,
         )
 
