@@ -413,6 +413,7 @@ class FederatedMethod(LightningModule, ABC):
         batches: ClientBatches | None = None,
         arch: Architecture | None = None,
         rates: Params | None = None,
+        tally: Params | None = None,
     ) -> TrainResult:
         """Train ``params`` (stacked over ``clients``) on the clients' own training data.
 
@@ -420,11 +421,14 @@ class FederatedMethod(LightningModule, ABC):
         e.g. batch-norm running statistics, are not trained but updated by the forward passes;
         the returned ``params`` hold them too. ``batches`` defaults to :meth:`draw_batches` of
         ``clients`` for ``round_idx``; ``groups`` to one group with the local SGD settings;
-        ``rates``: per-client SGD values replacing the groups' (``engine.sgd_rates``' keys).
+        ``rates``: per-client SGD values replacing the groups' (``engine.sgd_rates``' keys);
+        ``tally``: more state ``loss_fn`` carries through the steps (e.g. per-class feature
+        sums, as the buffers), returned in the result's ``state`` only.
         """
         arch = arch or self.arch
-        state = {n: t for n, t in params.items() if n in arch.buffer_shapes}
-        trainable = {n: t for n, t in params.items() if n not in state}
+        buffers = {n: t for n, t in params.items() if n in arch.buffer_shapes}
+        state = buffers | (tally or {})
+        trainable = {n: t for n, t in params.items() if n not in buffers}
         batches = batches if batches is not None else self.draw_batches(clients, round_idx)
         groups = groups or [ParamGroup(tuple(trainable), self.local_sgd())]
         loss_fn = loss_fn or (self.cross_entropy if arch is self.arch else cross_entropy_loss(arch))
@@ -441,7 +445,7 @@ class FederatedMethod(LightningModule, ABC):
                 rates or {},
             )
         )
-        result.params = {**result.params, **result.state}
+        result.params = {**result.params, **{n: result.state[n] for n in buffers}}
         return result
 
     @property

@@ -13,12 +13,10 @@ from lightning_pfl.engine import (
     Architecture,
     ClientBatches,
     LossFn,
-    ParamGroup,
     Params,
     TrainResult,
     weighted_cross_entropy,
 )
-from lightning_pfl.execution import TrainJob
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.methods.local import Local
@@ -242,7 +240,9 @@ class FedProto(Local):
         momentum = self.store.gather("momentum", clients, self.device) if kept else None
         batches = self.draw_batches(clients, round_idx, drop_last=self.hp.drop_last)
         if self.hp.prototypes == "last_epoch":
-            result, sums, seen = self.train_collecting(params, sent, momentum, batches)
+            result, sums, seen = self.train_collecting(
+                params, clients, round_idx, sent, momentum, batches
+            )
             local = sums / seen.clamp_min(1).unsqueeze(-1)
             # n_ik: the client's class-k training samples, for the classes it has a prototype of
             counts = torch.where(seen > 0, self.class_counts(clients), 0.0)
@@ -273,13 +273,17 @@ class FedProto(Local):
         return counts[clients.cpu()].to(self.device)
 
     def train_collecting(
-        self, params: Params, sent: Params, momentum: Params | None, batches: ClientBatches
+        self,
+        params: Params,
+        clients: Tensor,
+        round_idx: int,
+        sent: Params,
+        momentum: Params | None,
+        batches: ClientBatches,
     ) -> tuple[TrainResult, Tensor, Tensor]:
-        """Local training (as :meth:`local_train`, which carries only the network's buffers
-        as state) with :func:`prototype_collecting_loss`: the result, the per-class feature
-        sums ``[C, K, D]`` and sample counts ``[C, K]`` of each client's last local epoch."""
-        buffers = {n: t for n, t in params.items() if n in self.arch.buffer_shapes}
-        trainable = {n: t for n, t in params.items() if n not in buffers}
+        """Local training with :func:`prototype_collecting_loss`: the result, the per-class
+        feature sums ``[C, K, D]`` and sample counts ``[C, K]`` of each client's last local
+        epoch."""
         c, (k, d) = len(batches.active), self.prototypes.shape
         epochs = self.hp.local_epochs or 1  # with local_steps: one pass of all the steps
         # a client's steps with samples: the same number in every epoch, idle ones not counted
@@ -290,22 +294,17 @@ class FedProto(Local):
             "proto.steps": torch.zeros(c, dtype=torch.long, device=self.device),
         }
         epoch_steps = (drawn // epochs).clamp_min(1).to(self.device)
-        result = self.executor.train(
-            TrainJob(
-                self.collecting_loss,
-                trainable,
-                (ParamGroup(tuple(trainable), self.local_sgd()),),
-                batches,
-                self.arch,
-                sent | {"proto.epoch_steps": epoch_steps},
-                momentum,
-                buffers | tally,
-            )
+        result = self.local_train(
+            params,
+            clients,
+            round_idx,
+            loss_fn=self.collecting_loss,
+            context=sent | {"proto.epoch_steps": epoch_steps},
+            momentum=momentum,
+            batches=batches,
+            tally=tally,
         )
-        state = result.state
-        result.params = {**result.params, **{n: state[n] for n in buffers}}
-        result.state = {n: state[n] for n in buffers}
-        return result, state["proto.sum"], state["proto.count"]
+        return result, result.state["proto.sum"], result.state["proto.count"]
 
     def predict(self, params: Params, x: Tensor) -> Tensor:
         if self.hp.predict_by == "head":
