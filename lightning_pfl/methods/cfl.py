@@ -81,7 +81,9 @@ class CFL(FederatedMethod):
 
     Args:
         eps_1: epsilon_1, the bound on the norm of the cluster's mean update (the authors' code:
-            0.4).
+            0.4). Both bounds are on raw parameter updates (the code normalizes nothing), so they
+            hold at the code's scale (lr 0.1, one epoch of batch 128, every client every round);
+            docs/methods.md has the norms measured on digits.
         eps_2: epsilon_2, the bound the largest client update norm must exceed (the code: 1.6).
         min_cluster_size: a cluster splits only with more members than this (the code: 2).
         split_from_round: no split before this round (the code: 20).
