@@ -556,3 +556,22 @@ def test_accuracy_resume_needs_the_log_dir(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(sys, "argv", ["accuracy", "--setting", "digits", "--resume"])
     with pytest.raises(SystemExit):
         accuracy.main()
+
+
+def test_speed_times_a_job_against_a_sample_of_its_runs_timed_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--job 3 --job-alone-sample 1``: one run is timed alone and scaled to the three runs;
+    the job trains the three runs' clients of a round as one computation."""
+    args = argparse.Namespace(
+        device="cpu", job=3, job_rounds=2, job_lrs=None, job_alone_sample=1, job_root=None
+    )
+    row = speed.job_speed(args, "tests/conf/pfedhn.yaml")
+    out = capsys.readouterr().out
+    assert out.count("run alone, seed") == 1  # the sample: seed 0 alone, not seeds 1 and 2
+    timed = float(out.split("run alone, seed 0: ")[1].split(" s")[0])
+    assert row["runs"] == 3 and row["one_after_another_timed_runs"] == 1
+    assert abs(row["one_after_another_seconds"] - 3 * timed) <= 3 * 0.05 + 1e-9
+    assert row["throughput_ratio"] == row["one_after_another_seconds"] / row["job_seconds"]
+    assert (row["jobs_handed_in"], row["computations"]) == (6, 2)
+    assert row["trained_apart_because"] == []
