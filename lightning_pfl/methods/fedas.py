@@ -10,7 +10,7 @@ from torch.func import grad, vmap
 
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig, weighted_cross_entropy
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.methods.fedproto import class_statistics
+from lightning_pfl.methods.fedproto import class_means, class_statistics
 from lightning_pfl.validation import PositiveFloat, PositiveInt
 
 ALIGN_PHASE, FISHER_PHASE = 1, 2  # batch draws of the alignment and of the Fisher pass
@@ -76,7 +76,7 @@ class FedAS(FedAvg):
         local = self.store.gather("model", clients, self.device)
         sums, _, counts = class_statistics(self, local, clients)
         context = {
-            "proto.value": sums / counts.clamp_min(1).unsqueeze(-1),
+            "proto.value": class_means(sums, counts),
             "proto.present": (counts > 0).float(),
         }
         aligned = self.local_train(

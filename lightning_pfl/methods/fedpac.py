@@ -14,6 +14,7 @@ from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedproto import (
     aggregate_prototypes,
+    class_means,
     class_statistics,
     feature_dim,
     prototype_regularized_loss,
@@ -65,7 +66,7 @@ def class_centroids(statistics: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, 
     """Class centroids mu_ik ``[C, K, D]`` (zero for a class the client lacks) and class counts
     n_ik ``[C, K]`` from :func:`~lightning_pfl.methods.fedproto.class_statistics`."""
     sums, _, counts = statistics
-    return sums / counts.clamp_min(1).unsqueeze(-1), counts
+    return class_means(sums, counts), counts
 
 
 def feature_statistics(statistics: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:

@@ -57,6 +57,12 @@ def class_statistics(
     return by_size.unsort(sums), by_size.unsort(sq), by_size.unsort(counts)
 
 
+def class_means(sums: Tensor, counts: Tensor) -> Tensor:
+    """Per-class means ``[..., K, D]`` of feature ``sums`` over ``counts`` ``[..., K]`` (zero
+    for a class without samples)."""
+    return sums / counts.clamp_min(1).unsqueeze(-1)
+
+
 def aggregate_prototypes(
     local: Tensor, counts: Tensor, previous: Tensor, present: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -243,7 +249,7 @@ class FedProto(Local):
             result, sums, seen = self.train_collecting(
                 params, clients, round_idx, sent, momentum, batches
             )
-            local = sums / seen.clamp_min(1).unsqueeze(-1)
+            local = class_means(sums, seen)
             # n_ik: the client's class-k training samples, for the classes it has a prototype of
             counts = torch.where(seen > 0, self.class_counts(clients), 0.0)
         else:
@@ -257,7 +263,7 @@ class FedProto(Local):
                 batches=batches,
             )
             sums, _, counts = class_statistics(self, result.params, clients)
-            local = sums / counts.clamp_min(1).unsqueeze(-1)
+            local = class_means(sums, counts)
         self.store.scatter("params", clients, result.params)
         if kept:
             self.store.scatter("momentum", clients, result.momentum)
