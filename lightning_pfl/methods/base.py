@@ -535,6 +535,11 @@ class FederatedMethod(LightningModule, ABC):
         problem = precision_problem(self.trainer.precision)
         if problem is not None:
             raise ConfigError(f"trainer.precision = {self.trainer.precision!r}: {problem}.")
+        # Evaluation trains (fine-tuning, adaptation). Lightning runs `validate` and `test`
+        # under inference mode, where torch.func differentiates to zeros in torch 2.11
+        # (pytorch/pytorch#177318): run them under no_grad, as fit's own validation runs.
+        for loop in (self.trainer.validate_loop, self.trainer.test_loop):
+            loop.inference_mode = False
         self.check_data(self.data)
 
     def check_data(self, data: FederatedDataModule) -> None:
