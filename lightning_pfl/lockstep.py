@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import Architecture, ClientBatches, Params, TrainResult, sgd_rates
+from lightning_pfl.engine import Architecture, ClientBatches, Params, TrainResult
 from lightning_pfl.execution import Executor, TrainJob
+from lightning_pfl.sgd import sgd_rates
 
 if TYPE_CHECKING:
     from lightning_pfl.datamodule import FederatedDataModule

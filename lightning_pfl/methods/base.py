@@ -19,12 +19,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.func import vmap
 
+from lightning_pfl.client_state import ClientStateStore
+from lightning_pfl.client_threads import predict_clients
 from lightning_pfl.conditions import Conditions, unreliable_clients
 from lightning_pfl.datamodule import FederatedDataModule, Split
 from lightning_pfl.engine import (
     Architecture,
     ClientBatches,
-    ClientStateStore,
     LossFn,
     ParamGroup,
     Params,
@@ -32,7 +33,6 @@ from lightning_pfl.engine import (
     TrainResult,
     cross_entropy_loss,
     derive_seed,
-    predict_clients,
     weighted_cross_entropy,
 )
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
