@@ -22,6 +22,7 @@ from torch.func import vmap
 from lightning_pfl.client_state import ClientStateStore
 from lightning_pfl.client_threads import predict_clients
 from lightning_pfl.conditions import Conditions, unreliable_clients
+from lightning_pfl.costs import payload_bytes
 from lightning_pfl.datamodule import FederatedDataModule, Split
 from lightning_pfl.engine import (
     Architecture,
@@ -791,8 +792,3 @@ class FederatedMethod(LightningModule, ABC):
         return self.record.results(
             type(self).__name__, self.current_round, self.data.has_validation, self.hp.seed
         )
-
-
-def payload_bytes(tensors: Mapping[str, Tensor]) -> int:
-    """Bytes of ``tensors`` on the wire (from their shapes and dtypes: no host sync)."""
-    return sum(t.numel() * t.element_size() for t in tensors.values())
