@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import torch
@@ -34,7 +33,6 @@ from lightning_pfl.engine import (
     TrainResult,
     cross_entropy_loss,
     derive_seed,
-    weighted_cross_entropy,
 )
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
 from lightning_pfl.execution import (
@@ -46,6 +44,7 @@ from lightning_pfl.execution import (
 )
 from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
+from lightning_pfl.novel_adaptation import NovelAdaptationHooks
 from lightning_pfl.privacy import EPSILON_KEY, ClientDP, PrivacyAccountant
 from lightning_pfl.reporting import report_partition
 from lightning_pfl.run_record import (
@@ -79,40 +78,7 @@ if TYPE_CHECKING:
     from lightning_pfl.assignment import NetworkGroups
 
 
-# The methods whose novel_adaptation adapts a new client (named in the callback's refusals).
-ADAPTS_NOVEL_CLIENTS = (
-    "PFedHN, PFedHNPC, MHPFedHN, MHPFedHNG, MHPFedHNGD, FedAvg, FedPer, LGFedAvg, PerFedAvg or "
-    "Local"
-)
-
-
-@dataclass
-class NovelAdaptation:
-    """What held-out novel clients adapt after training
-    (:meth:`FederatedMethod.novel_adaptation`, run by :class:`~lightning_pfl.novel.NovelClients`).
-
-    Attributes:
-        tensors: the method's own tensors that plain SGD updates in place (whole tensors, e.g.
-            the embedding table: the gradient of ``loss`` is zero outside the novel clients'
-            parts, so only those change). They need not require grad: the callback switches
-            it on while it differentiates.
-        loss: ``loss(index, weight)``: the sum over the novel clients of their mean training
-            loss on one batch each (sample indices and 0/1 weights ``[m, B]``, rows in the
-            order of the clients), differentiable w.r.t. ``tensors``.
-        buffers: tensors ``loss`` updates in place (e.g. the novel clients' batch-norm running
-            statistics); restored with ``tensors`` when the callback undoes the adaptation.
-        params: the novel clients' personalized models (stacked ``[m, ...]``) when they are
-            not what :meth:`FederatedMethod.personalized_params` returns (a baseline that
-            fine-tunes its own copies of the global model); None: that method.
-    """
-
-    tensors: list[Tensor]
-    loss: Callable[[Tensor, Tensor], Tensor]
-    buffers: list[Tensor] = field(default_factory=list)
-    params: Callable[[], Params] | None = None
-
-
-class FederatedMethod(LightningModule, ABC):
+class FederatedMethod(NovelAdaptationHooks, LightningModule, ABC):
     """Base class: one ``training_step`` is one federated round.
 
     A round: sample ``clients_per_round`` clients (seeded by round, so the same after resume),
@@ -307,28 +273,6 @@ class FederatedMethod(LightningModule, ABC):
         :meth:`network_groups`, as ``arch_<name>``)."""
         groups = self.network_groups()
         return {} if groups is None else groups.client_groups("arch")
-
-    def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
-        """What the held-out novel ``clients`` adapt after training, and on which loss
-        (pFedHN section 5.3's protocol). A method that keeps this default cannot adapt a new
-        client, and the callback is refused."""
-        raise ConfigError(
-            f"trainer.callbacks NovelClients: {type(self).__name__} does not say how a new "
-            f"client adapts, so novel clients cannot be evaluated; use {ADAPTS_NOVEL_CLIENTS}, "
-            "or remove the callback."
-        )
-
-    def novel_loss(self, params: Callable[[], Params]) -> Callable[[Tensor, Tensor], Tensor]:
-        """A :class:`NovelAdaptation` loss: the sum over the novel clients of the mean
-        cross-entropy of :meth:`predict` with ``params()`` (their models, stacked in the order
-        of the batch's rows)."""
-
-        def loss(index: Tensor, weight: Tensor) -> Tensor:
-            x, y = self.data.fetch(index)
-            logits = vmap(self.predict)(params(), x)
-            return vmap(weighted_cross_entropy)(logits, y, weight).sum()
-
-        return loss
 
     # ----------------------------------------------------------------- helpers for methods
     def refuse_batch_norm(self, reason: str, arch: Architecture | None = None) -> None:
