@@ -17,7 +17,6 @@ from torch import Tensor, nn
 
 from lightning_pfl.client_state import ClientStateStore
 from lightning_pfl.conditions import Conditions, unreliable_clients
-from lightning_pfl.costs import payload_bytes
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.engine import (
     Architecture,
@@ -42,6 +41,7 @@ from lightning_pfl.execution import (
 from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
 from lightning_pfl.novel_adaptation import NovelAdaptationHooks
+from lightning_pfl.participation import Participation
 from lightning_pfl.privacy import EPSILON_KEY, ClientDP, PrivacyAccountant
 from lightning_pfl.reporting import report_partition
 from lightning_pfl.run_record import (
@@ -51,7 +51,6 @@ from lightning_pfl.run_record import (
 )
 from lightning_pfl.streams import (
     BATCH_STREAM,
-    CLIENT_STREAM,
     DROPOUT_STREAM,
     INIT_STREAM,
     NOISE_STREAM,
@@ -74,7 +73,7 @@ if TYPE_CHECKING:
     pass
 
 
-class FederatedMethod(Evaluation, NovelAdaptationHooks, LightningModule, ABC):
+class FederatedMethod(Participation, Evaluation, NovelAdaptationHooks, LightningModule, ABC):
     """Base class: one ``training_step`` is one federated round.
 
     A round: sample ``clients_per_round`` clients (seeded by round, so the same after resume),
@@ -425,45 +424,6 @@ class FederatedMethod(Evaluation, NovelAdaptationHooks, LightningModule, ABC):
         seed = derive_seed(self.hp.seed, round_idx, NOISE_STREAM)
         return torch.Generator(self.device).manual_seed(seed)
 
-    def client_weights(
-        self, clients: Tensor, round_idx: int | None = None, uniform: bool = False
-    ) -> Tensor:
-        """Training-sample counts of ``clients`` (``uniform``: ones) normalized to sum to one
-        over the clients that reported back in round ``round_idx`` (:meth:`arrived`); zero for
-        the others, all zero when none did. ``round_idx`` None: over all ``clients``."""
-        ids = clients.to(self.data.device)
-        n = self.data.num_samples("train")[ids].double()
-        if uniform:
-            n = torch.ones_like(n)
-        if round_idx is not None and self.unreliable is not None:
-            n = n * self.arrived(ids, round_idx).to(n)
-        return (n / n.sum().clamp_min(1)).to(self.device)  # counts: a sum > 0 is >= 1
-
-    def arrived(self, clients: Tensor, round_idx: int) -> Tensor:
-        """Whether each of ``clients`` reported back in round ``round_idx`` (bool ``[C]``; all
-        True without ``conditions``)."""
-        if self.unreliable is None:
-            return torch.ones(len(clients), dtype=torch.bool, device=clients.device)
-        arrives = self.unreliable.draws(round_idx).arrives.to(clients.device)
-        return arrives[clients]
-
-    def nothing_arrived(self, clients: Tensor, round_idx: int) -> bool:
-        """Whether none of ``clients`` reported back in round ``round_idx``: the server then
-        leaves its state unchanged. Server side: reads the mask on the host."""
-        return self.unreliable is not None and not bool(self.arrived(clients, round_idx).any())
-
-    def record_communication(self, down: Mapping[str, Tensor], up: Mapping[str, Tensor]) -> None:
-        """Count the bytes of what the server sent and received this round (all clients).
-
-        With ``conditions``, ``down`` and ``up`` stacked over the round's sampled clients count
-        only the rows of the clients contacted (available) and of those that reported back.
-        """
-        down_bytes, up_bytes = float(payload_bytes(down)), float(payload_bytes(up))
-        if self.unreliable is not None and self.round_reach[0] == self.global_step:
-            _, sampled, contacted, arrived = self.round_reach
-            down_bytes, up_bytes = down_bytes * contacted / sampled, up_bytes * arrived / sampled
-        self.record.round_bytes = [down_bytes, up_bytes]
-
     # ----------------------------------------------------------------- Lightning plumbing
     def configure_optimizers(self) -> torch.optim.Optimizer:
         optimizer = self.configure_server_optimizer()
@@ -514,29 +474,6 @@ class FederatedMethod(Evaluation, NovelAdaptationHooks, LightningModule, ABC):
 
     def on_test_start(self) -> None:
         self._place_state()
-
-    @property
-    def num_training_clients(self) -> int:
-        """Clients that train and are evaluated: all but the last ``novel_clients``."""
-        return int(self.hp.num_clients - self.hp.novel_clients)
-
-    def training_clients_of(self, clients: Tensor) -> Tensor:
-        """``clients`` without the held-out novel clients (unchanged when there are none)."""
-        if not self.hp.novel_clients:
-            return clients
-        return clients[clients < self.num_training_clients]
-
-    def sample_clients(self, round_idx: int) -> Tensor:
-        generator = torch.Generator().manual_seed(
-            derive_seed(self.hp.seed, round_idx, CLIENT_STREAM)
-        )
-        chosen = torch.randperm(self.num_training_clients, generator=generator)
-        if self.unreliable is not None:
-            chosen = self.unreliable.order_by_availability(chosen, round_idx)
-        sample = chosen[: self.hp.clients_per_round].sort().values
-        if self.unreliable is not None:
-            self.round_reach = (round_idx, len(sample), *self.unreliable.counts(sample, round_idx))
-        return sample.to(self.device)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         round_idx = self.global_step
