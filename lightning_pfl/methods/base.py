@@ -1,13 +1,21 @@
-"""The federated round loop shared by every method."""
+"""The federated round loop shared by every method: :class:`FederatedMethod`.
+
+It holds the method API (the hooks a method implements and the helpers it calls) and the
+Lightning plumbing of a round; its base classes hold the rest of what every method shares:
+:class:`~lightning_pfl.local_training.LocalTraining` (batches, local SGD, the executor),
+:class:`~lightning_pfl.participation.Participation` (client sampling, who reported back, weights,
+bytes), :class:`~lightning_pfl.evaluation.Evaluation` (per-client evaluation, Lightning's
+validation and test hooks) and :class:`~lightning_pfl.novel_adaptation.NovelAdaptationHooks`
+(novel clients). The run record is :class:`~lightning_pfl.run_record.RunRecord`.
+"""
 
 from __future__ import annotations
 
-import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import torch
 from lightning import LightningModule
@@ -18,44 +26,19 @@ from torch import Tensor, nn
 from lightning_pfl.client_state import ClientStateStore
 from lightning_pfl.conditions import Conditions, unreliable_clients
 from lightning_pfl.datamodule import FederatedDataModule
-from lightning_pfl.engine import (
-    Architecture,
-    ClientBatches,
-    LossFn,
-    ParamGroup,
-    Params,
-    SGDConfig,
-    TrainResult,
-    cross_entropy_loss,
-    derive_seed,
-)
+from lightning_pfl.engine import Architecture, Params, cross_entropy_loss, derive_seed
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
 from lightning_pfl.evaluation import Evaluation
-from lightning_pfl.execution import (
-    ExecutionSettings,
-    Executor,
-    TrainJob,
-    check_threadable,
-    choose_executor,
-)
+from lightning_pfl.execution import ExecutionSettings, Executor, check_threadable
+from lightning_pfl.local_training import LocalTraining
 from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
 from lightning_pfl.novel_adaptation import NovelAdaptationHooks
 from lightning_pfl.participation import Participation
 from lightning_pfl.privacy import EPSILON_KEY, ClientDP, PrivacyAccountant
 from lightning_pfl.reporting import report_partition
-from lightning_pfl.run_record import (
-    RunRecord,
-    hparams_table,
-    log_hparams_table,
-)
-from lightning_pfl.streams import (
-    BATCH_STREAM,
-    DROPOUT_STREAM,
-    INIT_STREAM,
-    NOISE_STREAM,
-    SERVER_INIT_STREAM,
-)
+from lightning_pfl.run_record import RunRecord, hparams_table, log_hparams_table
+from lightning_pfl.streams import DROPOUT_STREAM, INIT_STREAM, NOISE_STREAM, SERVER_INIT_STREAM
 from lightning_pfl.trainer_settings import precision_problem
 from lightning_pfl.validation import (
     Momentum,
@@ -69,11 +52,10 @@ from lightning_pfl.validation import (
     check_arguments,
 )
 
-if TYPE_CHECKING:
-    pass
 
-
-class FederatedMethod(Participation, Evaluation, NovelAdaptationHooks, LightningModule, ABC):
+class FederatedMethod(
+    LocalTraining, Participation, Evaluation, NovelAdaptationHooks, LightningModule, ABC
+):
     """Base class: one ``training_step`` is one federated round.
 
     A round: sample ``clients_per_round`` clients (seeded by round, so the same after resume),
@@ -299,118 +281,6 @@ class FederatedMethod(Participation, Evaluation, NovelAdaptationHooks, Lightning
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.hp.seed, stream))
             yield
-
-    def local_sgd(self) -> SGDConfig:
-        h = self.hp
-        return SGDConfig(h.local_lr, h.local_momentum, h.local_weight_decay, h.local_max_grad_norm)
-
-    def draw_batches(
-        self,
-        clients: Tensor,
-        round_idx: int,
-        epochs: int | None = None,
-        phase: int = 0,
-        drop_last: bool = False,
-    ) -> ClientBatches:
-        """This round's local-training batches of ``clients`` (seeded by round and ``phase``).
-
-        ``epochs`` overrides the method's ``local_epochs``/``local_steps``; a method that trains
-        in several phases per round gives each its own ``phase`` so they draw different batches.
-        ``drop_last``: epochs skip their last, smaller batch (PyTorch's ``drop_last=True``).
-        """
-        h = self.hp
-        keys = (h.seed, round_idx, BATCH_STREAM) + ((phase,) if phase else ())
-        generator = torch.Generator(self.data.device).manual_seed(derive_seed(*keys))
-        epochs = epochs if epochs is not None else h.local_epochs
-        batches = self.data.client_batches(
-            clients,
-            h.batch_size,
-            generator,
-            steps=None if epochs is not None else h.local_steps,
-            epochs=epochs,
-            drop_last=drop_last,
-        )
-        if self.unreliable is not None:
-            batches = self.unreliable.restrict(batches, clients, round_idx)
-        self.local_steps_drawn = self.local_steps_drawn + batches.active.sum()
-        if epochs is not None and self.executor.graphs is not None:
-            # Rounds differ in their largest client; pad to the largest of all clients (idle
-            # steps change nothing) so that one recorded round serves every round.
-            largest = int(self.data.num_samples("train").max())
-            batch = batches.index.shape[-1]
-            batches = batches.pad_steps(epochs * math.ceil(largest / batch))
-        return batches
-
-    def local_train(
-        self,
-        params: Params,
-        clients: Tensor,
-        round_idx: int,
-        groups: Sequence[ParamGroup] | None = None,
-        loss_fn: LossFn | None = None,
-        context: Params | None = None,
-        momentum: Params | None = None,
-        batches: ClientBatches | None = None,
-        arch: Architecture | None = None,
-        rates: Params | None = None,
-        tally: Params | None = None,
-    ) -> TrainResult:
-        """Train ``params`` (stacked over ``clients``) on the clients' own training data.
-
-        Tensors of ``params`` that are buffers of ``arch`` (default: the method's target),
-        e.g. batch-norm running statistics, are not trained but updated by the forward passes;
-        the returned ``params`` hold them too. ``batches`` defaults to :meth:`draw_batches` of
-        ``clients`` for ``round_idx``; ``groups`` to one group with the local SGD settings;
-        ``rates``: per-client SGD values replacing the groups' (``engine.sgd_rates``' keys);
-        ``tally``: more state ``loss_fn`` carries through the steps (e.g. per-class feature
-        sums, as the buffers), returned in the result's ``state`` only.
-        """
-        arch = arch or self.arch
-        buffers = {n: t for n, t in params.items() if n in arch.buffer_shapes}
-        state = buffers | (tally or {})
-        trainable = {n: t for n, t in params.items() if n not in buffers}
-        batches = batches if batches is not None else self.draw_batches(clients, round_idx)
-        groups = groups or [ParamGroup(tuple(trainable), self.local_sgd())]
-        loss_fn = loss_fn or (self.cross_entropy if arch is self.arch else cross_entropy_loss(arch))
-        result = self.executor.train(
-            TrainJob(
-                loss_fn,
-                trainable,
-                tuple(groups),
-                batches,
-                arch,
-                context or {},
-                momentum,
-                state,
-                rates or {},
-            )
-        )
-        result.params = {**result.params, **{n: result.state[n] for n in buffers}}
-        return result
-
-    @property
-    def executor(self) -> Executor:
-        """How local training runs (:mod:`lightning_pfl.execution`): chosen for this device and
-        world size at first use, or the one a job of several runs installed."""
-        world = self.trainer.world_size if self._trainer is not None else 1
-        current = self._executor
-        if current is None or not (
-            self._executor_pinned or current.serves(self.data, self.device, world)
-        ):
-            current = self._executor = choose_executor(
-                self.execution,
-                self.data,
-                self.device,
-                world,
-                self.global_rank,
-                self.all_gather,  # type: ignore[arg-type]
-            )
-        return current
-
-    @executor.setter
-    def executor(self, executor: Executor) -> None:
-        self._executor = executor
-        self._executor_pinned = True
 
     def client_dp_generator(self, round_idx: int) -> torch.Generator:
         """The seeded generator of round ``round_idx``'s DP noise (``client_dp``); records the
