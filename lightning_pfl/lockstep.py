@@ -7,7 +7,7 @@ jobs that are the same computation on different tensors (:func:`signature` of th
 architecture, which tensors train together, path; data that differs only by its split,
 :class:`SharedFetch`) are concatenated along the client axis and trained as one, and each run
 gets its rows back. Runs that differ by their SGD numbers (a learning-rate grid) share too:
-each client then steps with its own run's values (``engine.sgd_rates``), the same arithmetic.
+each client then steps with its own run's values (``sgd.sgd_rates``), the same arithmetic.
 Only one run executes at a time and each run's random-number state is swapped in with its
 turn, so a run computes what it computes alone; on the vmap and threaded paths its clients are
 trained in a larger batch, which changes float rounding only.
