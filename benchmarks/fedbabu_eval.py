@@ -11,8 +11,12 @@ each client on its test split with:
 - ``batch_seed_k``: the same fine-tuning with other batches (round index + 100000 k);
 - ``perturbed_k``: the same fine-tuning (same batches) of the global model plus independent
   N(0, (1e-6)^2) noise on every parameter (about the size of GPU float nondeterminism);
-- ``finetune`` variants ``--variants lr:momentum:wd:clip`` (wd 0 / clip none: the
-  reference notebook's optimizer, SGD with momentum only).
+- ``finetune_<spec>``: the fine-tuning of ``--variants lr:momentum:wd:clip[:part]`` (wd 0 /
+  clip none: the reference notebook's optimizer, SGD with momentum only; part ``full``,
+  ``head`` or ``body``, default ``full``).
+
+``--finetune_lr`` / ``--finetune_momentum`` set the method's own fine-tuning (``none``: the
+local SGD's, the default before issue 46).
 
 Per client and model: test accuracy, whether the test loss is finite, the share of its test
 predictions falling in the most predicted class (1.0: collapsed to one class), and for the
@@ -84,6 +88,10 @@ def summary(method: FedBABU, clients: Tensor, params: Params, tuned: bool) -> di
     return out
 
 
+def optional_float(text: str) -> float | None:
+    return None if text == "none" else float(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
@@ -94,6 +102,8 @@ def main() -> None:
     parser.add_argument(
         "--variants", nargs="*", default=["0.005:0.9:0:none", "0.0005:0.9:0:none", "0.05:0:0:none"]
     )
+    parser.add_argument("--finetune_lr", type=optional_float, default=1e-3)
+    parser.add_argument("--finetune_momentum", type=optional_float, default=0.9)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -120,13 +130,20 @@ def main() -> None:
         local_max_grad_norm=50.0,
         finetune_epochs=5,
         finetune_part="full",
+        finetune_lr=args.finetune_lr,
+        finetune_momentum=args.finetune_momentum,
         client_threads=1,
         seed=args.seed,
     )
     method.attach_data(dm)
     optimizer = method.configure_server_optimizer()
     clients = torch.arange(10)
-    names = tuple(method.arch.shapes)
+    head = method.arch.head_names
+    parts = {
+        "full": tuple(method.arch.shapes),
+        "head": head,
+        "body": tuple(n for n in method.arch.shapes if n not in head),
+    }
     evals = sorted({*range(0, args.rounds, args.eval_every), args.rounds})
     records = []
     for r in range(args.rounds + 1):
@@ -134,9 +151,11 @@ def main() -> None:
             sent = method.payload(clients) | method.frozen_head(clients)
             record: dict[str, object] = {"round": r}
             record["before"] = summary(method, clients, sent, False)
-            record["default"] = summary(method, clients, method.finetune(sent, clients, r), True)
+            names, sgd = method.finetuned_names(), method.finetune_sgd()
+            tuned = method.finetune(sent, clients, r, names, sgd)
+            record["default"] = summary(method, clients, tuned, True)
             for k in range(1, args.repeats + 1):
-                tuned = method.finetune(sent, clients, r + 100000 * k)
+                tuned = method.finetune(sent, clients, r + 100000 * k, names, sgd)
                 record[f"batch_seed_{k}"] = summary(method, clients, tuned, True)
             for k in range(1, args.repeats + 1):
                 generator = torch.Generator().manual_seed(k)
@@ -144,15 +163,12 @@ def main() -> None:
                     n: t + args.noise * torch.randn(t.shape, generator=generator)
                     for n, t in sent.items()
                 }
-                record[f"perturbed_{k}"] = summary(
-                    method, clients, method.finetune(noisy, clients, r), True
-                )
+                tuned = method.finetune(noisy, clients, r, names, sgd)
+                record[f"perturbed_{k}"] = summary(method, clients, tuned, True)
             for spec in args.variants:
-                lr, momentum, wd, clip = spec.split(":")
-                sgd = SGDConfig(
-                    float(lr), float(momentum), float(wd), None if clip == "none" else float(clip)
-                )
-                tuned = method.finetune(sent, clients, r, names, sgd)
+                lr, momentum, wd, clip, *part = spec.split(":")
+                other = SGDConfig(float(lr), float(momentum), float(wd), optional_float(clip))
+                tuned = method.finetune(sent, clients, r, parts[part[0] if part else "full"], other)
                 record[f"finetune_{spec}"] = summary(method, clients, tuned, True)
             records.append(record)
             print(
@@ -177,7 +193,9 @@ def main() -> None:
         "seed": args.seed,
         "rounds": args.rounds,
         "noise_std": args.noise,
-        "variants": "finetune_<lr>:<momentum>:<weight decay>:<clip> (all parameters, 5 epochs)",
+        "finetune_lr": args.finetune_lr,
+        "finetune_momentum": args.finetune_momentum,
+        "variants": "finetune_<lr>:<momentum>:<weight decay>:<clip>[:<part>] (5 epochs)",
         "commit": commit,
         "device": "cpu, 1 thread",
         "train_samples": [int(n) for n in dm.num_samples("train")],
