@@ -2,8 +2,9 @@
 
 Trains FedBABU exactly as the digits accuracy benchmark's Dirichlet(0.3) row of ``--seed``
 (configs/digits/fedbabu.yaml, 150 rounds, the same client sampling and seeds as the CLI, one
-thread) and, at every evaluation round of that run (rounds 0, 12, ..., 144, 150), evaluates
-each client on its test split with:
+thread; ``--setting fashion_mnist``: configs/fashion_mnist/fedbabu.yaml's pathological row,
+FashionMNIST under ``--root``) and, at every evaluation round of that run (``--eval_every``;
+digits: rounds 0, 12, ..., 144, 150), evaluates each client on its test split with:
 
 - ``before``: the global model as sent (trained body, initial head), not fine-tuned;
 - ``default``: the personalized model the method evaluates (tau fine-tuning epochs, batches
@@ -33,6 +34,7 @@ import argparse
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +44,7 @@ from lightning_pfl import FederatedDataModule
 from lightning_pfl.datamodule import Split
 from lightning_pfl.engine import Params, SGDConfig, derive_seed
 from lightning_pfl.methods.fedbabu import FedBABU
-from lightning_pfl.partition import Dirichlet
+from lightning_pfl.partition import ClassesPerClient, Dirichlet
 from lightning_pfl.streams import DROPOUT_STREAM
 
 
@@ -94,6 +96,8 @@ def optional_float(text: str) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--setting", choices=["digits", "fashion_mnist"], default="digits")
+    parser.add_argument("--root", default="data", help="FashionMNIST's folder (fashion_mnist)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--eval_every", type=int, default=12)
@@ -107,24 +111,34 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dm = FederatedDataModule(
-        "digits",
-        num_clients=10,
-        partition=Dirichlet(alpha=0.3, min_samples=20),
-        val_fraction=0.15,
-        seed=args.seed,
-    )
+    if args.setting == "digits":
+        dm = FederatedDataModule(
+            "digits",
+            num_clients=10,
+            partition=Dirichlet(alpha=0.3, min_samples=20),
+            val_fraction=0.15,
+            seed=args.seed,
+        )
+        # configs/digits/fedbabu.yaml with the benchmark's --model.init_args.client_threads=1
+        model: dict[str, Any] = {"net": "digits_cnn", "local_steps": 20, "batch_size": 32}
+        model["local_lr"] = 0.05
+    else:
+        dm = FederatedDataModule(
+            "fashion_mnist",
+            root=args.root,
+            num_clients=50,
+            partition=ClassesPerClient(2),
+            val_fraction=0.16666667,
+            seed=args.seed,
+        )
+        # configs/fashion_mnist/fedbabu.yaml
+        model = {"net": "cnn", "local_steps": 50, "batch_size": 64, "local_lr": 0.005}
     dm.setup("fit")
-    # configs/digits/fedbabu.yaml with the benchmark's --model.init_args.client_threads=1
     method = FedBABU(
-        num_clients=10,
+        num_clients=dm.num_clients,
         num_classes=dm.num_classes,
         input_shape=dm.input_shape,
-        net="digits_cnn",
         clients_per_round=5,
-        local_steps=20,
-        batch_size=32,
-        local_lr=0.05,
         local_momentum=0.9,
         local_weight_decay=5e-5,
         local_max_grad_norm=50.0,
@@ -134,10 +148,11 @@ def main() -> None:
         finetune_momentum=args.finetune_momentum,
         client_threads=1,
         seed=args.seed,
+        **model,
     )
     method.attach_data(dm)
     optimizer = method.configure_server_optimizer()
-    clients = torch.arange(10)
+    clients = torch.arange(dm.num_clients)
     head = method.arch.head_names
     parts = {
         "full": tuple(method.arch.shapes),
@@ -188,8 +203,9 @@ def main() -> None:
     ).stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "what": "FedBABU digits Dirichlet(0.3) evaluation, per client, before and after "
-        "fine-tuning (configs/digits/fedbabu.yaml, the accuracy benchmark's row)",
+        "what": f"FedBABU {args.setting} evaluation, per client, before and after fine-tuning "
+        f"(configs/{args.setting}/fedbabu.yaml, the accuracy benchmark's row)",
+        "setting": args.setting,
         "seed": args.seed,
         "rounds": args.rounds,
         "noise_std": args.noise,
