@@ -16,12 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_pfl.engine import (
-    Architecture,
-    ParamGroup,
-    SGDConfig,
-    drop_batch_counters,
-)
+from lightning_pfl.architecture import drop_batch_counters
+from lightning_pfl.engine import Architecture, ParamGroup, SGDConfig
 
 PREFIX = "members"
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from copy import deepcopy
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -14,6 +15,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 if TYPE_CHECKING:
     from lightning_pfl.methods.base import FederatedMethod
+
+
+def payload_bytes(tensors: Mapping[str, Tensor]) -> int:
+    """Bytes of ``tensors`` on the wire (from their shapes and dtypes: no host sync)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def hypernetwork_flops(hnet: nn.Module, clients: int, device: torch.device) -> int:

@@ -61,7 +61,7 @@ class TrainJob:
             counts, a received global model).
         momentum: initial momentum buffers (None: a fresh optimizer).
         state: per-client buffers the loss updates without gradients (batch-norm statistics).
-        rates: per-client SGD values replacing the groups' numbers (``engine.sgd_rates``; empty:
+        rates: per-client SGD values replacing the groups' numbers (``sgd.sgd_rates``; empty:
             the groups' own), for the clients of runs that differ only by SGD settings.
     """
 

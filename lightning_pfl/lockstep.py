@@ -7,7 +7,7 @@ jobs that are the same computation on different tensors (:func:`signature` of th
 architecture, which tensors train together, path; data that differs only by its split,
 :class:`SharedFetch`) are concatenated along the client axis and trained as one, and each run
 gets its rows back. Runs that differ by their SGD numbers (a learning-rate grid) share too:
-each client then steps with its own run's values (``engine.sgd_rates``), the same arithmetic.
+each client then steps with its own run's values (``sgd.sgd_rates``), the same arithmetic.
 Only one run executes at a time and each run's random-number state is swapped in with its
 turn, so a run computes what it computes alone; on the vmap and threaded paths its clients are
 trained in a larger batch, which changes float rounding only.
@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import Architecture, ClientBatches, Params, TrainResult, sgd_rates
+from lightning_pfl.engine import Architecture, ClientBatches, Params, TrainResult
 from lightning_pfl.execution import Executor, TrainJob
+from lightning_pfl.sgd import sgd_rates
 
 if TYPE_CHECKING:
     from lightning_pfl.datamodule import FederatedDataModule

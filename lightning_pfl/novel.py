@@ -43,7 +43,8 @@ from torch import Tensor
 
 from lightning_pfl.engine import ClientBatches, derive_seed
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
+from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.novel_adaptation import NovelAdaptation
 from lightning_pfl.partition import ClientDirichlet
 from lightning_pfl.streams import NOVEL_ADAPTATION_STREAM
 from lightning_pfl.validation import PositiveFloat, PositiveInt, check_arguments

@@ -214,7 +214,12 @@ TRAINER_RULES: dict[str, Rule | None] = {
     "gradient_clip_algorithm": _only((None,), _GRADIENT_CLIP),
     "deterministic": None,
     "benchmark": None,
-    "inference_mode": None,
+    "inference_mode": _only(
+        (None, False),
+        "evaluation trains some methods' models (fine-tuning, adaptation), so it runs under "
+        "no_grad: under inference mode torch.func differentiates to zeros in torch 2.11 "
+        "(pytorch/pytorch#177318); leave it unset",
+    ),
     "use_distributed_sampler": _only(
         (True,),
         "the round loader and the client chunks are no DataLoaders (ranks split the clients "

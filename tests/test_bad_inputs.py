@@ -201,7 +201,7 @@ TRAINER_TABLE: dict[str, tuple[Any, Any]] = {
     "gradient_clip_algorithm": (None, "norm"),
     "deterministic": (True, None),
     "benchmark": (True, None),
-    "inference_mode": (False, None),
+    "inference_mode": (False, True),
     "use_distributed_sampler": (True, False),
     "profiler": ("simple", None),
     "detect_anomaly": (False, True),

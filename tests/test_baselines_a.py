@@ -67,6 +67,26 @@ def perturbed(params: Params, seed: int = 0, scale: float = 0.1) -> Params:
 
 
 # ----------------------------------------------------------------------------- FedAvg-FT
+def test_validate_and_test_train_outside_inference_mode() -> None:
+    """Evaluation fine-tunes FedAvg-FT's model. Lightning validates and tests under inference
+    mode unless told otherwise, where torch.func differentiates to zeros in torch 2.11
+    (pytorch/pytorch#177318): the test phase then evaluated the global model unchanged."""
+    dm = digits_data(4)
+    method = build(FedAvgFT, dm, clients_per_round=2, finetune_epochs=1)
+    trainer = fit(method, dm, rounds=2)
+    modes: list[bool] = []
+    finetune = method.personalized_params
+
+    def recording(clients: Tensor) -> Params:
+        modes.append(torch.is_inference_mode_enabled())
+        return finetune(clients)
+
+    method.personalized_params = recording  # type: ignore[method-assign]
+    trainer.test(method, datamodule=dm)
+    assert modes and not any(modes)
+    assert not trainer.validate_loop.inference_mode
+
+
 def test_fedavg_ft_evaluates_the_finetuned_global_model_without_keeping_it() -> None:
     dm = digits_data(4)
     method = build(FedAvgFT, dm, clients_per_round=2, finetune_epochs=2)

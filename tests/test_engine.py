@@ -3,17 +3,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_pfl.client_state import ClientStateStore
 from lightning_pfl.engine import (
     Architecture,
     ClientBatches,
-    ClientStateStore,
     ParamGroup,
     SGDConfig,
     cross_entropy_loss,
-    sgd_rates,
     train_clients,
 )
 from lightning_pfl.models import DigitsCNN
+from lightning_pfl.sgd import sgd_rates
 
 
 def make_data(n: int = 200, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

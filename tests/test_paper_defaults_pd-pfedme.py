@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lightning_pfl.conditions import Conditions
+from lightning_pfl.costs import payload_bytes
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
 from lightning_pfl.methods import PFedMe
-from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.privacy import ClientDP
 from tests.conftest import build, digits_data, fit
 from tests.helpers import assert_vectorized_equals_sequential, capture_local_training

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.func import grad
 
 from lightning_pfl.datamodule import FederatedDataModule
-from lightning_pfl.engine import Params, prefixed
+from lightning_pfl.engine import Params
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FedAvg, FederatedMethod
 from lightning_pfl.methods.feddyn import LINEAR, FedDyn
@@ -21,6 +21,7 @@ from lightning_pfl.methods.fedopt import AdaptiveServerOptimizer, FedOpt
 from lightning_pfl.methods.fedprox import anchor
 from lightning_pfl.methods.qffl import QFFL
 from lightning_pfl.methods.scaffold import SCAFFOLD
+from lightning_pfl.params import prefixed
 from lightning_pfl.partition import ClassesPerClient
 from tests.conftest import build, digits_data
 from tests.helpers import (

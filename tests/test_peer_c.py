@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_pfl.costs import payload_bytes
 from lightning_pfl.engine import derive_seed
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.methods.ccvr import (
     CALIBRATION_STREAM,
     CCVR,

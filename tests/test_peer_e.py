@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_pfl.costs import payload_bytes
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.methods.fedmgda_plus import (
     FedMGDAPlus,
     min_norm_weights,

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_pfl.costs import payload_bytes
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.methods.power_of_choice import LAST_LOSS, FedAvgPoC
 from tests.conftest import build, digits_data
 from tests.helpers import (

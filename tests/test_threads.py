@@ -9,22 +9,20 @@ import pytest
 import torch
 
 import lightning_pfl.execution as execution
+from lightning_pfl.client_threads import _channels_last, predict_clients
 from lightning_pfl.engine import (
     Architecture,
     ClientBatches,
     ParamGroup,
     SGDConfig,
     TrainResult,
-    _channels_last,
-    _foreach_sgd_step,
-    _sgd_step,
     cross_entropy_loss,
-    predict_clients,
     train_clients,
 )
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FedAvg
 from lightning_pfl.models import LeNet5, build_network
+from lightning_pfl.sgd import _foreach_sgd_step, _sgd_step
 from tests.conftest import build, digits_data, fit
 
 

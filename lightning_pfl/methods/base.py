@@ -1,66 +1,44 @@
-"""The federated round loop shared by every method."""
+"""The federated round loop shared by every method: :class:`FederatedMethod`.
+
+It holds the method API (the hooks a method implements and the helpers it calls) and the
+Lightning plumbing of a round; its base classes hold the rest of what every method shares:
+:class:`~lightning_pfl.local_training.LocalTraining` (batches, local SGD, the executor),
+:class:`~lightning_pfl.participation.Participation` (client sampling, who reported back, weights,
+bytes), :class:`~lightning_pfl.evaluation.Evaluation` (per-client evaluation, Lightning's
+validation and test hooks) and :class:`~lightning_pfl.novel_adaptation.NovelAdaptationHooks`
+(novel clients). The run record is :class:`~lightning_pfl.run_record.RunRecord`.
+"""
 
 from __future__ import annotations
 
-import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import torch
-import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
-from torch.func import vmap
 
+from lightning_pfl.client_state import ClientStateStore
 from lightning_pfl.conditions import Conditions, unreliable_clients
-from lightning_pfl.datamodule import FederatedDataModule, Split
-from lightning_pfl.engine import (
-    Architecture,
-    ClientBatches,
-    ClientStateStore,
-    LossFn,
-    ParamGroup,
-    Params,
-    SGDConfig,
-    TrainResult,
-    cross_entropy_loss,
-    derive_seed,
-    predict_clients,
-    weighted_cross_entropy,
-)
+from lightning_pfl.datamodule import FederatedDataModule
+from lightning_pfl.engine import Architecture, Params, cross_entropy_loss, derive_seed
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
-from lightning_pfl.execution import (
-    ExecutionSettings,
-    Executor,
-    TrainJob,
-    check_threadable,
-    choose_executor,
-)
+from lightning_pfl.evaluation import Evaluation
+from lightning_pfl.execution import ExecutionSettings, Executor, check_threadable
+from lightning_pfl.local_training import LocalTraining
 from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
+from lightning_pfl.novel_adaptation import NovelAdaptationHooks
+from lightning_pfl.participation import Participation
 from lightning_pfl.privacy import EPSILON_KEY, ClientDP, PrivacyAccountant
 from lightning_pfl.reporting import report_partition
-from lightning_pfl.run_record import (
-    RunRecord,
-    hparams_table,
-    log_client_accuracy,
-    log_hparams_table,
-)
-from lightning_pfl.streams import (
-    BATCH_STREAM,
-    CLIENT_STREAM,
-    DROPOUT_STREAM,
-    INIT_STREAM,
-    NOISE_STREAM,
-    SERVER_INIT_STREAM,
-)
+from lightning_pfl.run_record import RunRecord, hparams_table, log_hparams_table
+from lightning_pfl.streams import DROPOUT_STREAM, INIT_STREAM, NOISE_STREAM, SERVER_INIT_STREAM
 from lightning_pfl.trainer_settings import precision_problem
 from lightning_pfl.validation import (
     Momentum,
@@ -74,44 +52,10 @@ from lightning_pfl.validation import (
     check_arguments,
 )
 
-if TYPE_CHECKING:
-    from lightning_pfl.assignment import NetworkGroups
 
-
-# The methods whose novel_adaptation adapts a new client (named in the callback's refusals).
-ADAPTS_NOVEL_CLIENTS = (
-    "PFedHN, PFedHNPC, MHPFedHN, MHPFedHNG, MHPFedHNGD, FedAvg, FedPer, LGFedAvg, PerFedAvg or "
-    "Local"
-)
-
-
-@dataclass
-class NovelAdaptation:
-    """What held-out novel clients adapt after training
-    (:meth:`FederatedMethod.novel_adaptation`, run by :class:`~lightning_pfl.novel.NovelClients`).
-
-    Attributes:
-        tensors: the method's own tensors that plain SGD updates in place (whole tensors, e.g.
-            the embedding table: the gradient of ``loss`` is zero outside the novel clients'
-            parts, so only those change). They need not require grad: the callback switches
-            it on while it differentiates.
-        loss: ``loss(index, weight)``: the sum over the novel clients of their mean training
-            loss on one batch each (sample indices and 0/1 weights ``[m, B]``, rows in the
-            order of the clients), differentiable w.r.t. ``tensors``.
-        buffers: tensors ``loss`` updates in place (e.g. the novel clients' batch-norm running
-            statistics); restored with ``tensors`` when the callback undoes the adaptation.
-        params: the novel clients' personalized models (stacked ``[m, ...]``) when they are
-            not what :meth:`FederatedMethod.personalized_params` returns (a baseline that
-            fine-tunes its own copies of the global model); None: that method.
-    """
-
-    tensors: list[Tensor]
-    loss: Callable[[Tensor, Tensor], Tensor]
-    buffers: list[Tensor] = field(default_factory=list)
-    params: Callable[[], Params] | None = None
-
-
-class FederatedMethod(LightningModule, ABC):
+class FederatedMethod(
+    LocalTraining, Participation, Evaluation, NovelAdaptationHooks, LightningModule, ABC
+):
     """Base class: one ``training_step`` is one federated round.
 
     A round: sample ``clients_per_round`` clients (seeded by round, so the same after resume),
@@ -307,28 +251,6 @@ class FederatedMethod(LightningModule, ABC):
         groups = self.network_groups()
         return {} if groups is None else groups.client_groups("arch")
 
-    def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
-        """What the held-out novel ``clients`` adapt after training, and on which loss
-        (pFedHN section 5.3's protocol). A method that keeps this default cannot adapt a new
-        client, and the callback is refused."""
-        raise ConfigError(
-            f"trainer.callbacks NovelClients: {type(self).__name__} does not say how a new "
-            f"client adapts, so novel clients cannot be evaluated; use {ADAPTS_NOVEL_CLIENTS}, "
-            "or remove the callback."
-        )
-
-    def novel_loss(self, params: Callable[[], Params]) -> Callable[[Tensor, Tensor], Tensor]:
-        """A :class:`NovelAdaptation` loss: the sum over the novel clients of the mean
-        cross-entropy of :meth:`predict` with ``params()`` (their models, stacked in the order
-        of the batch's rows)."""
-
-        def loss(index: Tensor, weight: Tensor) -> Tensor:
-            x, y = self.data.fetch(index)
-            logits = vmap(self.predict)(params(), x)
-            return vmap(weighted_cross_entropy)(logits, y, weight).sum()
-
-        return loss
-
     # ----------------------------------------------------------------- helpers for methods
     def refuse_batch_norm(self, reason: str, arch: Architecture | None = None) -> None:
         """For methods whose math needs a network without batch-norm state: raise a ConfigError
@@ -360,118 +282,6 @@ class FederatedMethod(LightningModule, ABC):
             torch.manual_seed(derive_seed(self.hp.seed, stream))
             yield
 
-    def local_sgd(self) -> SGDConfig:
-        h = self.hp
-        return SGDConfig(h.local_lr, h.local_momentum, h.local_weight_decay, h.local_max_grad_norm)
-
-    def draw_batches(
-        self,
-        clients: Tensor,
-        round_idx: int,
-        epochs: int | None = None,
-        phase: int = 0,
-        drop_last: bool = False,
-    ) -> ClientBatches:
-        """This round's local-training batches of ``clients`` (seeded by round and ``phase``).
-
-        ``epochs`` overrides the method's ``local_epochs``/``local_steps``; a method that trains
-        in several phases per round gives each its own ``phase`` so they draw different batches.
-        ``drop_last``: epochs skip their last, smaller batch (PyTorch's ``drop_last=True``).
-        """
-        h = self.hp
-        keys = (h.seed, round_idx, BATCH_STREAM) + ((phase,) if phase else ())
-        generator = torch.Generator(self.data.device).manual_seed(derive_seed(*keys))
-        epochs = epochs if epochs is not None else h.local_epochs
-        batches = self.data.client_batches(
-            clients,
-            h.batch_size,
-            generator,
-            steps=None if epochs is not None else h.local_steps,
-            epochs=epochs,
-            drop_last=drop_last,
-        )
-        if self.unreliable is not None:
-            batches = self.unreliable.restrict(batches, clients, round_idx)
-        self.local_steps_drawn = self.local_steps_drawn + batches.active.sum()
-        if epochs is not None and self.executor.graphs is not None:
-            # Rounds differ in their largest client; pad to the largest of all clients (idle
-            # steps change nothing) so that one recorded round serves every round.
-            largest = int(self.data.num_samples("train").max())
-            batch = batches.index.shape[-1]
-            batches = batches.pad_steps(epochs * math.ceil(largest / batch))
-        return batches
-
-    def local_train(
-        self,
-        params: Params,
-        clients: Tensor,
-        round_idx: int,
-        groups: Sequence[ParamGroup] | None = None,
-        loss_fn: LossFn | None = None,
-        context: Params | None = None,
-        momentum: Params | None = None,
-        batches: ClientBatches | None = None,
-        arch: Architecture | None = None,
-        rates: Params | None = None,
-        tally: Params | None = None,
-    ) -> TrainResult:
-        """Train ``params`` (stacked over ``clients``) on the clients' own training data.
-
-        Tensors of ``params`` that are buffers of ``arch`` (default: the method's target),
-        e.g. batch-norm running statistics, are not trained but updated by the forward passes;
-        the returned ``params`` hold them too. ``batches`` defaults to :meth:`draw_batches` of
-        ``clients`` for ``round_idx``; ``groups`` to one group with the local SGD settings;
-        ``rates``: per-client SGD values replacing the groups' (``engine.sgd_rates``' keys);
-        ``tally``: more state ``loss_fn`` carries through the steps (e.g. per-class feature
-        sums, as the buffers), returned in the result's ``state`` only.
-        """
-        arch = arch or self.arch
-        buffers = {n: t for n, t in params.items() if n in arch.buffer_shapes}
-        state = buffers | (tally or {})
-        trainable = {n: t for n, t in params.items() if n not in buffers}
-        batches = batches if batches is not None else self.draw_batches(clients, round_idx)
-        groups = groups or [ParamGroup(tuple(trainable), self.local_sgd())]
-        loss_fn = loss_fn or (self.cross_entropy if arch is self.arch else cross_entropy_loss(arch))
-        result = self.executor.train(
-            TrainJob(
-                loss_fn,
-                trainable,
-                tuple(groups),
-                batches,
-                arch,
-                context or {},
-                momentum,
-                state,
-                rates or {},
-            )
-        )
-        result.params = {**result.params, **{n: result.state[n] for n in buffers}}
-        return result
-
-    @property
-    def executor(self) -> Executor:
-        """How local training runs (:mod:`lightning_pfl.execution`): chosen for this device and
-        world size at first use, or the one a job of several runs installed."""
-        world = self.trainer.world_size if self._trainer is not None else 1
-        current = self._executor
-        if current is None or not (
-            self._executor_pinned or current.serves(self.data, self.device, world)
-        ):
-            current = self._executor = choose_executor(
-                self.execution,
-                self.data,
-                self.device,
-                world,
-                self.global_rank,
-                self.all_gather,  # type: ignore[arg-type]
-            )
-        return current
-
-    @executor.setter
-    def executor(self, executor: Executor) -> None:
-        self._executor = executor
-        self._executor_pinned = True
-
     def client_dp_generator(self, round_idx: int) -> torch.Generator:
         """The seeded generator of round ``round_idx``'s DP noise (``client_dp``); records the
         privacy spent once the round is done (``results.json``'s ``privacy``) and logs its
@@ -483,45 +293,6 @@ class FederatedMethod(LightningModule, ABC):
             logger.log_metrics({EPSILON_KEY: spent["epsilon"]}, step=round_idx + 1)
         seed = derive_seed(self.hp.seed, round_idx, NOISE_STREAM)
         return torch.Generator(self.device).manual_seed(seed)
-
-    def client_weights(
-        self, clients: Tensor, round_idx: int | None = None, uniform: bool = False
-    ) -> Tensor:
-        """Training-sample counts of ``clients`` (``uniform``: ones) normalized to sum to one
-        over the clients that reported back in round ``round_idx`` (:meth:`arrived`); zero for
-        the others, all zero when none did. ``round_idx`` None: over all ``clients``."""
-        ids = clients.to(self.data.device)
-        n = self.data.num_samples("train")[ids].double()
-        if uniform:
-            n = torch.ones_like(n)
-        if round_idx is not None and self.unreliable is not None:
-            n = n * self.arrived(ids, round_idx).to(n)
-        return (n / n.sum().clamp_min(1)).to(self.device)  # counts: a sum > 0 is >= 1
-
-    def arrived(self, clients: Tensor, round_idx: int) -> Tensor:
-        """Whether each of ``clients`` reported back in round ``round_idx`` (bool ``[C]``; all
-        True without ``conditions``)."""
-        if self.unreliable is None:
-            return torch.ones(len(clients), dtype=torch.bool, device=clients.device)
-        arrives = self.unreliable.draws(round_idx).arrives.to(clients.device)
-        return arrives[clients]
-
-    def nothing_arrived(self, clients: Tensor, round_idx: int) -> bool:
-        """Whether none of ``clients`` reported back in round ``round_idx``: the server then
-        leaves its state unchanged. Server side: reads the mask on the host."""
-        return self.unreliable is not None and not bool(self.arrived(clients, round_idx).any())
-
-    def record_communication(self, down: Mapping[str, Tensor], up: Mapping[str, Tensor]) -> None:
-        """Count the bytes of what the server sent and received this round (all clients).
-
-        With ``conditions``, ``down`` and ``up`` stacked over the round's sampled clients count
-        only the rows of the clients contacted (available) and of those that reported back.
-        """
-        down_bytes, up_bytes = float(payload_bytes(down)), float(payload_bytes(up))
-        if self.unreliable is not None and self.round_reach[0] == self.global_step:
-            _, sampled, contacted, arrived = self.round_reach
-            down_bytes, up_bytes = down_bytes * contacted / sampled, up_bytes * arrived / sampled
-        self.record.round_bytes = [down_bytes, up_bytes]
 
     # ----------------------------------------------------------------- Lightning plumbing
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -535,6 +306,11 @@ class FederatedMethod(LightningModule, ABC):
         problem = precision_problem(self.trainer.precision)
         if problem is not None:
             raise ConfigError(f"trainer.precision = {self.trainer.precision!r}: {problem}.")
+        # Evaluation trains (fine-tuning, adaptation). Lightning runs `validate` and `test`
+        # under inference mode, where torch.func differentiates to zeros in torch 2.11
+        # (pytorch/pytorch#177318): run them under no_grad, as fit's own validation runs.
+        for loop in (self.trainer.validate_loop, self.trainer.test_loop):
+            loop.inference_mode = False
         self.check_data(self.data)
 
     def check_data(self, data: FederatedDataModule) -> None:
@@ -573,29 +349,6 @@ class FederatedMethod(LightningModule, ABC):
 
     def on_test_start(self) -> None:
         self._place_state()
-
-    @property
-    def num_training_clients(self) -> int:
-        """Clients that train and are evaluated: all but the last ``novel_clients``."""
-        return int(self.hp.num_clients - self.hp.novel_clients)
-
-    def training_clients_of(self, clients: Tensor) -> Tensor:
-        """``clients`` without the held-out novel clients (unchanged when there are none)."""
-        if not self.hp.novel_clients:
-            return clients
-        return clients[clients < self.num_training_clients]
-
-    def sample_clients(self, round_idx: int) -> Tensor:
-        generator = torch.Generator().manual_seed(
-            derive_seed(self.hp.seed, round_idx, CLIENT_STREAM)
-        )
-        chosen = torch.randperm(self.num_training_clients, generator=generator)
-        if self.unreliable is not None:
-            chosen = self.unreliable.order_by_availability(chosen, round_idx)
-        sample = chosen[: self.hp.clients_per_round].sort().values
-        if self.unreliable is not None:
-            self.round_reach = (round_idx, len(sample), *self.unreliable.counts(sample, round_idx))
-        return sample.to(self.device)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         round_idx = self.global_step
@@ -652,128 +405,12 @@ class FederatedMethod(LightningModule, ABC):
         for logger in self.loggers:
             logger.log_metrics(dict(metrics), step=self.global_step)
 
-    # ----------------------------------------------------------------- evaluation
-    def network_groups(self) -> NetworkGroups | None:
-        """Client groups whose networks differ, evaluated one group at a time (default none)."""
-        return None
-
-    @torch.no_grad()
-    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
-        """Correct predictions, sample counts and summed loss of each client's own model, one
-        :meth:`network_groups` group at a time."""
-        groups = self.network_groups()
-        if groups is None:
-            return self.evaluate_clients(clients, split)
-        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
-        for _, rows in groups.split(clients):
-            for total, part in zip(out, self.evaluate_clients(clients[rows], split), strict=True):
-                total[rows] = part
-        return out  # type: ignore[return-value]
-
-    def client_logits(self, params: Params, x: Tensor) -> Tensor:
-        """Logits (float) of each client's model (``params`` stacked) on its own inputs ``x``
-        ``[C, B, ...]``: one vmap, or on a CPU the clients in worker threads where training
-        uses the threaded loop."""
-        vectorize, threads = (
-            (True, 1)
-            if self.network_groups() is not None or self.device.type != "cpu"
-            else self.executor.path(self.arch)
-        )
-        if vectorize:
-            return vmap(self.predict)(params, x).float()
-        return predict_clients(self.predict, params, x, threads).float()
-
-    @torch.no_grad()
-    def evaluate_clients(
-        self, clients: Tensor, split: Split, params: Params | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`evaluate` for ``clients`` that share one network architecture
-        (:meth:`client_logits`). ``params``: their models (stacked), default
-        :meth:`personalized_params`."""
-        by_size = self.data.by_size(clients, split)
-        params = by_size.sort(self.personalized_params(clients) if params is None else params)
-        sums = torch.zeros(len(clients), 3, device=self.device)  # correct, samples, loss
-        for k, x, y, weight in by_size.blocks(self.hp.eval_batch_size):
-            logits = self.client_logits({name: value[:k] for name, value in params.items()}, x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(
-                weight
-            )
-            hits = (logits.argmax(-1) == y).float()
-            sums[:k] += torch.stack([hits * weight, weight, loss * weight], -1).sum(1)
-        correct, total, loss_sum = by_size.unsort(sums).unbind(1)
-        return correct, total, loss_sum
-
-    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        if self.data.has_validation:  # without, the loop only schedules the test's evaluation
-            clients = self.training_clients_of(batch)
-            self.val_metric.update(clients, *self.evaluate(clients, "val"))
-
-    def test_step(self, batch: Tensor, batch_idx: int) -> None:
-        clients = self.training_clients_of(batch)
-        self.test_metric.update(clients, *self.evaluate(clients, "test"))
-
-    def _evaluate_all(self, split: Split) -> tuple[dict[str, float], Tensor]:
-        """Statistics and per-client accuracies of every training client on ``split`` (all
-        ranks call)."""
-        metric = ClientAccuracy(self.hp.num_clients, self.client_groups()).to(self.device)
-        for chunk in self.data.client_chunks():
-            chunk = self.training_clients_of(chunk.to(self.device))
-            metric.update(chunk, *self.evaluate(chunk, split))
-        return {k: float(v) for k, v in metric.compute().items()}, metric.per_client()
-
-    def _record_validation(self, validation: tuple[dict[str, float], Tensor] | None) -> None:
-        """Evaluate the test split at this round and log it; with ``validation`` (statistics
-        and per-client accuracies; None: the data has no validation split) also make the round
-        a best-round candidate and log the validation."""
-        test = self._evaluate_all("test")[0]
-        logged, summary = self.record.add_evaluation(
-            int(self.global_step), test, None if validation is None else validation[0]
-        )
-        self._log_at_round(logged)
-        if validation is not None:
-            self._log_client_accuracy("val", validation[1])
-        if self.trainer.is_global_zero and self.trainer.progress_bar_callback is None:
-            speed = f"{self.record.seconds_per_round:.3f} s/round"
-            rank_zero_info(f"round {self.global_step}/{self.trainer.max_steps}: {summary}, {speed}")
-
-    def _log_client_accuracy(self, prefix: str, per_client: Tensor) -> None:
-        if isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero:
-            log_client_accuracy(
-                self.logger, prefix, per_client, self.global_step, self.hp.log_figures
-            )
-
-    def on_validation_epoch_end(self) -> None:
-        if not self.data.has_validation:
-            if not self.trainer.sanity_checking:
-                self._record_validation(None)
-            return
-        stats = {k: float(v) for k, v in self.val_metric.compute().items()}
-        per_client = self.val_metric.per_client()
-        self.val_metric.reset()
-        if self.trainer.sanity_checking:
-            return
-        self._record_validation((stats, per_client))
-        key = self.hp.select_metric
-        for name, value in (("val/acc", stats["acc"]), ("val/acc_weighted", stats["acc_weighted"])):
-            self.log(name, value, prog_bar=True, logger=False, sync_dist=True)
-        self.log("val/best_acc", self.record.best["val"][key], logger=False, sync_dist=True)
-
-    def on_test_epoch_end(self) -> None:
-        stats = {k: float(v) for k, v in self.test_metric.compute().items()}
-        per_client = self.test_metric.per_client()
-        self.test_metric.reset()
-        logged = self.record.add_test(self.current_round, stats)
-        for name, value in logged.items():
-            self.log(name, value, logger=False, sync_dist=True)
-        self._log_at_round(logged)
-        self._log_client_accuracy("test", per_client)
-
+    # ----------------------------------------------------------------- state and results
     @property
     def current_round(self) -> int:
         """Rounds trained so far (a loaded checkpoint's round when testing it)."""
         return max(int(self.global_step), self.record.checkpoint_round)
 
-    # ----------------------------------------------------------------- state and results
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["pfl"] = {
             "client_state": self.store.state_dict(),
@@ -791,8 +428,3 @@ class FederatedMethod(LightningModule, ABC):
         return self.record.results(
             type(self).__name__, self.current_round, self.data.has_validation, self.hp.seed
         )
-
-
-def payload_bytes(tensors: Mapping[str, Tensor]) -> int:
-    """Bytes of ``tensors`` on the wire (from their shapes and dtypes: no host sync)."""
-    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -7,19 +7,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pfl.architecture import drop_batch_counters
 from lightning_pfl.assignment import GroupShare
-from lightning_pfl.engine import (
-    Architecture,
-    LossFn,
-    Params,
-    client_mean,
-    drop_batch_counters,
-    weighted_cross_entropy,
-)
+from lightning_pfl.engine import Architecture, LossFn, Params, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedgh import HeterogeneousModels
 from lightning_pfl.models import build_network
+from lightning_pfl.params import client_mean
 from lightning_pfl.validation import NonNegativeFloat
 
 

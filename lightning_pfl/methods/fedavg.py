@@ -7,15 +7,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pfl.engine import (
-    Params,
-    TrainResult,
-    client_mean,
-    drop_batch_counters,
-)
+from lightning_pfl.architecture import drop_batch_counters
+from lightning_pfl.engine import Params, TrainResult
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
+from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import build_network
+from lightning_pfl.novel_adaptation import NovelAdaptation
+from lightning_pfl.params import client_mean
 from lightning_pfl.privacy import private_uploads, privatizes
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 

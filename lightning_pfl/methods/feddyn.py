@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import prefixed
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedprox import anchor, proximal_loss
 from lightning_pfl.methods.scaffold import linear_loss
+from lightning_pfl.params import prefixed
 from lightning_pfl.server_state import NamedBuffers
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 

@@ -8,8 +8,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import client_mean
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.params import client_mean
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,

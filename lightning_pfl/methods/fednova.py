@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_pfl.engine import client_mean
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.scaffold import per_client
+from lightning_pfl.params import client_mean
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
 

@@ -12,12 +12,12 @@ from lightning_pfl.engine import (
     ParamGroup,
     Params,
     TrainResult,
-    client_mean,
     derive_seed,
     weighted_cross_entropy,
 )
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.params import client_mean
 from lightning_pfl.step_inputs import CLOCK, CLOCK_GROUP, at, start_clock, tick
 from lightning_pfl.streams import FLOCO_STREAM
 from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveInt

@@ -6,16 +6,10 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_pfl.engine import (
-    ParamGroup,
-    Params,
-    TrainResult,
-    prefixed,
-    split_prefixed,
-    weighted_cross_entropy,
-)
+from lightning_pfl.engine import ParamGroup, Params, TrainResult, weighted_cross_entropy
 from lightning_pfl.losses import distillation_loss
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.params import prefixed, split_prefixed
 from lightning_pfl.validation import UnitInterval
 
 

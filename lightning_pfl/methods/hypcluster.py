@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pfl.engine import Params, drop_batch_counters
+from lightning_pfl.architecture import drop_batch_counters
+from lightning_pfl.engine import Params
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import build_network
 from lightning_pfl.validation import Momentum, PositiveFloat, PositiveInt

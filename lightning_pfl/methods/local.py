@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.engine import Params
-from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
+from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.novel_adaptation import NovelAdaptation
 
 
 class Local(FederatedMethod):

@@ -8,19 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_pfl.engine import (
-    ParamGroup,
-    Params,
-    SGDConfig,
-    TrainResult,
-    prefixed,
-    split_prefixed,
-    weighted_cross_entropy,
-)
+from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult, weighted_cross_entropy
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.apfl import ProjectedStep
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedprox import ANCHOR, anchor
+from lightning_pfl.params import prefixed, split_prefixed
 from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import NonNegativeInt, PositiveFloat, UnitInterval
 

@@ -30,13 +30,14 @@ from lightning_pfl.engine import (
     weighted_cross_entropy,
 )
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import FederatedMethod, NovelAdaptation
+from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models.hypernetwork import set_delta_gradients, steps_in_turn
 from lightning_pfl.models.multihead_hypernetwork import (
     FlatCodec,
     HeadSharing,
     MultiHeadHyperNetwork,
 )
+from lightning_pfl.novel_adaptation import NovelAdaptation
 from lightning_pfl.streams import (
     CONSTRAINED_STREAM,
     ORDER_STREAM,

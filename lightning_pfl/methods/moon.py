@@ -8,16 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pfl.engine import (
-    Architecture,
-    Params,
-    TrainResult,
-    prefixed,
-    split_prefixed,
-    weighted_cross_entropy,
-)
+from lightning_pfl.engine import Architecture, Params, TrainResult, weighted_cross_entropy
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.params import prefixed, split_prefixed
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat, PositiveInt
 
 PROJ = "projection."

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_pfl.costs import payload_bytes
 from lightning_pfl.engine import Params, derive_seed
-from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads, set_delta_gradients

@@ -11,8 +11,8 @@ from torch.func import grad, grad_and_value, vmap
 
 from lightning_pfl.engine import Params, TrainResult, derive_seed, weighted_cross_entropy
 from lightning_pfl.losses import linear_surrogate
-from lightning_pfl.methods.base import NovelAdaptation
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.novel_adaptation import NovelAdaptation
 from lightning_pfl.streams import ADAPT_STREAM
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lightning_pfl.engine import Architecture, Params
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import ADAPTS_NOVEL_CLIENTS, FederatedMethod, NovelAdaptation
+from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import (
     DEFAULT_FEATURE_SCALE,
@@ -20,6 +20,7 @@ from lightning_pfl.models.hypernetwork import (
     set_delta_gradients,
     steps_in_turn,
 )
+from lightning_pfl.novel_adaptation import ADAPTS_NOVEL_CLIENTS, NovelAdaptation
 from lightning_pfl.privacy import private_sum, privatizes
 from lightning_pfl.validation import (
     Momentum,

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pfl.assignment import GroupShare, NetworkGroups
+from lightning_pfl.costs import payload_bytes
 from lightning_pfl.engine import Params, cross_entropy_loss
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.base import payload_bytes
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads, set_delta_gradients

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig
-from lightning_pfl.methods.base import NovelAdaptation
 from lightning_pfl.methods.pfedhn import PFedHN
+from lightning_pfl.novel_adaptation import NovelAdaptation
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
 

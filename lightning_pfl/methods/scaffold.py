@@ -7,8 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pfl.engine import LossFn, Params, prefixed
+from lightning_pfl.engine import LossFn, Params
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.params import prefixed
 from lightning_pfl.server_state import NamedBuffers
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 

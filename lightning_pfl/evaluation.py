@@ -1,0 +1,180 @@
+"""Evaluation of every client's personalized model, and Lightning's validation and test hooks.
+
+:class:`Evaluation` is a base class of :class:`~lightning_pfl.methods.base.FederatedMethod`:
+each evaluated round tests every training client on its own test split (and validation split,
+when the data has one) and hands the statistics to the run record
+(:class:`~lightning_pfl.run_record.RunRecord`), which picks the best round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from lightning import LightningModule
+from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.func import vmap
+
+from lightning_pfl.client_threads import predict_clients
+from lightning_pfl.engine import Architecture, Params
+from lightning_pfl.metrics import ClientAccuracy
+from lightning_pfl.run_record import RunRecord, log_client_accuracy
+
+if TYPE_CHECKING:
+    from lightning_pfl.assignment import NetworkGroups
+    from lightning_pfl.datamodule import FederatedDataModule, Split
+    from lightning_pfl.execution import Executor
+
+
+class Evaluation(LightningModule):
+    """The evaluation part of :class:`~lightning_pfl.methods.base.FederatedMethod` (a base class
+    of it): :meth:`evaluate` and :meth:`evaluate_clients` for methods, the validation and test
+    hooks for Lightning."""
+
+    if TYPE_CHECKING:  # FederatedMethod's
+        arch: Architecture
+        record: RunRecord
+        val_metric: ClientAccuracy
+        test_metric: ClientAccuracy
+
+        @property
+        def hp(self) -> AttributeDict: ...
+
+        @property
+        def data(self) -> FederatedDataModule: ...
+
+        @property
+        def executor(self) -> Executor: ...
+
+        @property
+        def current_round(self) -> int: ...
+
+        def personalized_params(self, clients: Tensor) -> Params: ...
+
+        def predict(self, params: Params, x: Tensor) -> Tensor: ...
+
+        def client_groups(self) -> dict[str, Tensor]: ...
+
+        def training_clients_of(self, clients: Tensor) -> Tensor: ...
+
+        def _log_at_round(self, metrics: Mapping[str, float]) -> None: ...
+
+    def network_groups(self) -> NetworkGroups | None:
+        """Client groups whose networks differ, evaluated one group at a time (default none)."""
+        return None
+
+    @torch.no_grad()
+    def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
+        """Correct predictions, sample counts and summed loss of each client's own model, one
+        :meth:`network_groups` group at a time."""
+        groups = self.network_groups()
+        if groups is None:
+            return self.evaluate_clients(clients, split)
+        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
+        for _, rows in groups.split(clients):
+            for total, part in zip(out, self.evaluate_clients(clients[rows], split), strict=True):
+                total[rows] = part
+        return out  # type: ignore[return-value]
+
+    def client_logits(self, params: Params, x: Tensor) -> Tensor:
+        """Logits (float) of each client's model (``params`` stacked) on its own inputs ``x``
+        ``[C, B, ...]``: one vmap, or on a CPU the clients in worker threads where training
+        uses the threaded loop."""
+        vectorize, threads = (
+            (True, 1)
+            if self.network_groups() is not None or self.device.type != "cpu"
+            else self.executor.path(self.arch)
+        )
+        if vectorize:
+            return vmap(self.predict)(params, x).float()
+        return predict_clients(self.predict, params, x, threads).float()
+
+    @torch.no_grad()
+    def evaluate_clients(
+        self, clients: Tensor, split: Split, params: Params | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`evaluate` for ``clients`` that share one network architecture
+        (:meth:`client_logits`). ``params``: their models (stacked), default
+        :meth:`personalized_params`."""
+        by_size = self.data.by_size(clients, split)
+        params = by_size.sort(self.personalized_params(clients) if params is None else params)
+        sums = torch.zeros(len(clients), 3, device=self.device)  # correct, samples, loss
+        for k, x, y, weight in by_size.blocks(self.hp.eval_batch_size):
+            logits = self.client_logits({name: value[:k] for name, value in params.items()}, x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(
+                weight
+            )
+            hits = (logits.argmax(-1) == y).float()
+            sums[:k] += torch.stack([hits * weight, weight, loss * weight], -1).sum(1)
+        correct, total, loss_sum = by_size.unsort(sums).unbind(1)
+        return correct, total, loss_sum
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        if self.data.has_validation:  # without, the loop only schedules the test's evaluation
+            clients = self.training_clients_of(batch)
+            self.val_metric.update(clients, *self.evaluate(clients, "val"))
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        clients = self.training_clients_of(batch)
+        self.test_metric.update(clients, *self.evaluate(clients, "test"))
+
+    def _evaluate_all(self, split: Split) -> tuple[dict[str, float], Tensor]:
+        """Statistics and per-client accuracies of every training client on ``split`` (all
+        ranks call)."""
+        metric = ClientAccuracy(self.hp.num_clients, self.client_groups()).to(self.device)
+        for chunk in self.data.client_chunks():
+            chunk = self.training_clients_of(chunk.to(self.device))
+            metric.update(chunk, *self.evaluate(chunk, split))
+        return {k: float(v) for k, v in metric.compute().items()}, metric.per_client()
+
+    def _record_validation(self, validation: tuple[dict[str, float], Tensor] | None) -> None:
+        """Evaluate the test split at this round and log it; with ``validation`` (statistics
+        and per-client accuracies; None: the data has no validation split) also make the round
+        a best-round candidate and log the validation."""
+        test = self._evaluate_all("test")[0]
+        logged, summary = self.record.add_evaluation(
+            int(self.global_step), test, None if validation is None else validation[0]
+        )
+        self._log_at_round(logged)
+        if validation is not None:
+            self._log_client_accuracy("val", validation[1])
+        if self.trainer.is_global_zero and self.trainer.progress_bar_callback is None:
+            speed = f"{self.record.seconds_per_round:.3f} s/round"
+            rank_zero_info(f"round {self.global_step}/{self.trainer.max_steps}: {summary}, {speed}")
+
+    def _log_client_accuracy(self, prefix: str, per_client: Tensor) -> None:
+        if isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero:
+            log_client_accuracy(
+                self.logger, prefix, per_client, self.global_step, self.hp.log_figures
+            )
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.data.has_validation:
+            if not self.trainer.sanity_checking:
+                self._record_validation(None)
+            return
+        stats = {k: float(v) for k, v in self.val_metric.compute().items()}
+        per_client = self.val_metric.per_client()
+        self.val_metric.reset()
+        if self.trainer.sanity_checking:
+            return
+        self._record_validation((stats, per_client))
+        key = self.hp.select_metric
+        for name, value in (("val/acc", stats["acc"]), ("val/acc_weighted", stats["acc_weighted"])):
+            self.log(name, value, prog_bar=True, logger=False, sync_dist=True)
+        self.log("val/best_acc", self.record.best["val"][key], logger=False, sync_dist=True)
+
+    def on_test_epoch_end(self) -> None:
+        stats = {k: float(v) for k, v in self.test_metric.compute().items()}
+        per_client = self.test_metric.per_client()
+        self.test_metric.reset()
+        logged = self.record.add_test(self.current_round, stats)
+        for name, value in logged.items():
+            self.log(name, value, logger=False, sync_dist=True)
+        self._log_at_round(logged)
+        self._log_client_accuracy("test", per_client)
