@@ -43,9 +43,10 @@ class FedALA(FedAvg):
     Personalized model: Theta_i (the global model for a client never sampled).
 
     All clients of a round learn their weights together: clients that converged, and clients
-    past their first ALA after one epoch, idle (masked steps), so that the round needs no host
-    synchronization; the server knows from its record of participations which clients need
-    an ALA and how many epochs the round may take.
+    past their first ALA after one epoch, idle (masked steps); the server knows from its record
+    of participations which clients need an ALA and how many epochs the round may take. Once
+    every client has converged the epochs left would only idle: one host synchronization per
+    ``convergence_window`` epochs stops them (the same weights, far fewer steps).
 
     Args:
         eta: learning rate eta of the ALA weights (paper: 1.0).
@@ -145,6 +146,10 @@ class FedALA(FedAvg):
                 recent = torch.stack(losses[-h.convergence_window :], 1)
                 done = recent.std(1, unbiased=False) < h.convergence_threshold
                 running = running & ~done
+                # once every client has converged the remaining epochs are idle (masked)
+                # steps that change nothing: one host sync per window stops them
+                if epoch % h.convergence_window == 0 and not bool(running.any()):
+                    break
         weights = {n: t.clamp(0.0, 1.0) for n, t in weights.items()}
         with torch.no_grad():
             return self.mixed(weights, context), weights
