@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_pfl.console import closing_entries
+from lightning_pfl.datasets.registry import shared_loads
 from lightning_pfl.errors import ConfigError, RunInterrupted
 from lightning_pfl.lockstep import Lockstep, LockstepExecutor, get_rng
 
@@ -202,7 +203,8 @@ class Job:
         rank_zero_info(f"job: {len(clis)} runs of one config trained together ({labels})")
         previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            outcomes = self.lockstep.run([cli.fit_now for cli in clis])
+            with shared_loads():  # the runs read one in-memory copy of their dataset
+                outcomes = self.lockstep.run([cli.fit_now for cli in clis])
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)

@@ -9,6 +9,7 @@ from PIL import Image
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.datasets import DATASETS, load_dataset
 from lightning_pfl.datasets.files import CorruptDatasetError, DatasetNotFoundError
+from lightning_pfl.datasets.registry import shared_loads
 from lightning_pfl.partition import Shards
 from tests.data.fake_datasets import (
     TINY_IMAGENET_WNIDS,
@@ -25,6 +26,18 @@ def test_digits_is_bundled_and_split() -> None:
     assert d.train_x.dtype == torch.uint8 and d.train_x.shape[1:] == (1, 8, 8)
     assert len(d.train_y) + len(d.test_y) == 1797
     assert int(d.train_x.max()) == 255 and set(d.test_y.tolist()) == set(range(10))
+
+
+def test_a_job_loads_each_dataset_once_and_a_run_alone_afresh() -> None:
+    """Inside ``shared_loads`` (a job's runs) equal loading arguments give the same arrays; the
+    options a loader names (synthetic's seed) still make different ones; outside, no sharing."""
+    with shared_loads():
+        first = load_dataset("digits", seed=0, num_clients=4)
+        assert load_dataset("digits", seed=1, num_clients=9) is first  # digits ignores both
+        a = load_dataset("synthetic", seed=0, num_clients=5)
+        assert load_dataset("synthetic", seed=0, num_clients=5) is a
+        assert load_dataset("synthetic", seed=1, num_clients=5) is not a
+    assert load_dataset("digits") is not load_dataset("digits")
 
 
 def test_synthetic_is_seeded_with_natural_clients() -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import inspect
 import os
 import pickle
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -245,8 +247,35 @@ def dataset_spec(name: str) -> DatasetSpec:
     return DATASETS[name]
 
 
+# Inside :func:`shared_loads`: the datasets loaded so far, by their loading arguments.
+_shared: dict[str, DatasetArrays] | None = None
+
+
+@contextmanager
+def shared_loads() -> Iterator[None]:
+    """Within it, :func:`load_dataset` loads each dataset once and hands every caller the same
+    arrays (the runs of a job read the same files; nobody writes into ``DatasetArrays``).
+    Outside, every call loads afresh, so a single run holds no second copy."""
+    global _shared
+    outer = _shared
+    _shared = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _shared = outer
+
+
 def load_dataset(
     name: str, root: str = "data", download: bool = False, **options: Any
 ) -> DatasetArrays:
     """Load dataset ``name`` into memory (see :data:`DATASETS` for the names)."""
-    return dataset_spec(name).loader(root, download, **options)
+    loader = dataset_spec(name).loader
+    if _shared is None:
+        return loader(root, download, **options)
+    # the options a loader names (a seed, a client count) make other arrays; the rest it ignores
+    named = inspect.signature(loader).parameters
+    used = sorted((k, v) for k, v in options.items() if k in named)
+    key = repr((name, os.path.abspath(root), download, used))
+    if key not in _shared:
+        _shared[key] = loader(root, download, **options)
+    return _shared[key]
