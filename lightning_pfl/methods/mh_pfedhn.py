@@ -6,6 +6,10 @@ knows each client's architecture, maps a flat vector onto it (:class:`FlatCodec`
 parameter order), trains it and returns the flat delta. The *server side* (``self.hnet``, a
 :class:`MultiHeadHyperNetwork` built from the clients' parameter counts, and
 :meth:`MHPFedHN.server_gradients`) only ever sees counts, flat vectors and flat deltas.
+
+The client parts that the paper's tables switch on one at a time (Table 13's local layers,
+Table 14's constrained clients) and the batch norm of evaluation are in
+:mod:`lightning_pfl.methods.mh_parts`.
 """
 
 from __future__ import annotations
