@@ -27,6 +27,14 @@ def _mean_std(values: Sequence[float | None]) -> str:
     return f"{statistics.mean(present):.2f} ± {statistics.pstdev(present):.2f}"
 
 
+def _mean_std_of(values: Sequence[float | None]) -> str:
+    """:func:`_mean_std`, saying how many seeds it covers when some rows have no value (e.g. a
+    value found invalid and removed from its row, which keeps it as ``*_invalid``)."""
+    shown = _mean_std(values)
+    present = sum(v is not None for v in values)
+    return shown if present in (0, len(values)) else f"{shown} ({present} of {len(values)})"
+
+
 def _largest(values: list[float | None]) -> str:
     present = [v for v in values if v is not None]
     return f"{max(present):.3g}" if present else "-"
@@ -51,7 +59,7 @@ def accuracy_table(files: list[dict[str, Any]]) -> str:
             f"| {', '.join(str(r) for r in sorted({r['rounds'] for r in rows}))} "
             f"| {_mean_std([r['test_acc_at_best_val'] for r in rows])} "
             f"| {_mean_std([r['test_acc_weighted_at_best_val'] for r in rows])} "
-            f"| {_mean_std([r['test_acc_last'] for r in rows])} "
+            f"| {_mean_std_of([r['test_acc_last'] for r in rows])} "
             f"| {_largest([r.get('train_loss_max_after_100') for r in rows])} "
             f"| {_seconds_per_round(rows)} "
             f"| {', '.join(commits)} |"

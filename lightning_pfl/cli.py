@@ -141,6 +141,8 @@ class PFLCLI(LightningCLI):
             )
         parser.add_lightning_class_args(RoundCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0})
+        # evaluation trains some methods' models: under no_grad (trainer_settings, inference_mode)
+        parser.set_defaults({"trainer.inference_mode": False})
         parser.add_argument("--test_after_fit", type=bool, default=True, help="run test after fit")
         parser.add_argument(
             "--allow_changes",

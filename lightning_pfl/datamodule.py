@@ -340,19 +340,21 @@ class FederatedDataModule(LightningDataModule):
 def _channel_stats(x: Tensor, index: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
     """Per-channel mean and std of the uint8 images ``x[index]`` in [0, 1] units.
 
-    Accumulated in float64 over chunks of ``index``, so neither a float copy nor a copy of the
-    selected images is ever made whole. Empty for float features.
+    From each channel's histogram of the 256 levels, counted over chunks of ``index``: exact
+    integer counts, and no float copy of the images (several times faster than summing them).
+    Empty for float features.
     """
     if x.dtype != torch.uint8:
         return torch.zeros(0), torch.ones(0)
-    dims = [0] + list(range(2, x.dim()))
-    total = torch.zeros(x.shape[1], dtype=torch.float64)
-    squares = torch.zeros_like(total)
+    channels = x.shape[1]
+    histogram = torch.zeros(channels, 256, dtype=torch.int64)
     for ids in index.split(chunk):
-        values = x[ids].double() / 255.0
-        total += values.sum(dims)
-        squares += (values**2).sum(dims)
+        images = x[ids]
+        for c in range(channels):
+            histogram[c] += torch.bincount(images[:, c].flatten(), minlength=256)
+    levels = torch.arange(256, dtype=torch.float64) / 255.0
     count = len(index) * x[0, 0].numel()
-    mean = total / count
+    mean = (histogram * levels).sum(1) / count
+    squares = (histogram * levels**2).sum(1)
     std = (squares / count - mean**2).clamp_min(0).sqrt() * math.sqrt(count / max(count - 1, 1))
     return mean.float(), std.float().clamp_min(1e-6)

@@ -90,7 +90,7 @@ def test_fedbabu_personalized_model_is_the_global_model_fine_tuned_for_tau_epoch
     expected = train_clients(
         method.cross_entropy,
         {n: model[n].clone() for n in names},
-        [ParamGroup(names, SGDConfig(0.02, h.local_momentum, h.local_weight_decay, clip))],
+        [ParamGroup(names, SGDConfig(0.02, h.finetune_momentum, h.local_weight_decay, clip))],
         method.draw_batches(clients, 0, 5, FINETUNE_PHASE),  # tau = 5 epochs by default
         dm.fetch,
         context={n: t for n, t in model.items() if n not in names},

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from lightning_pfl.engine import Params, SGDConfig, TrainResult
 from lightning_pfl.methods.fedavg_ft import FedAvgFT
-from lightning_pfl.validation import PositiveFloat, PositiveInt
+from lightning_pfl.validation import Momentum, PositiveFloat, PositiveInt
 
 
 class FedBABU(FedAvgFT):
@@ -23,16 +23,20 @@ class FedBABU(FedAvgFT):
 
     Personalized model (whenever it is evaluated): the global model (trained body, initial
     head) after tau fine-tuning epochs on the client's training data, with a fresh SGD at
-    ``finetune_lr``; ``finetune_part`` says what is fine-tuned (the reference code's
-    personalization fine-tunes body and head: ``full``). As FedAvg-FT, the fine-tuning
-    batches are seeded by the round, and the fine-tuned models are not kept.
+    ``finetune_lr`` and ``finetune_momentum`` (the local weight decay and clip);
+    ``finetune_part`` says what is fine-tuned (the reference code's personalization
+    fine-tunes body and head: ``full``). As FedAvg-FT, the fine-tuning batches are seeded by
+    the round, and the fine-tuned models are not kept.
 
     Args:
         finetune_epochs: fine-tuning epochs tau at evaluation (reference code: 5).
         finetune_part: ``full`` (body and head, the reference code's), ``head`` (the head
             alone, the body frozen) or ``body``.
-        finetune_lr: learning rate of the fine-tuning (None: ``local_lr``; the reference code
-            fine-tunes at its final, decayed training learning rate).
+        finetune_lr: learning rate of the fine-tuning (reference code: 1e-3 in every
+            experiment, its training rate 0.1 after its two x0.1 decays). None: ``local_lr``,
+            at which a few clients' fine-tuning diverges (benchmarks/fedbabu_eval.py).
+        finetune_momentum: momentum of the fine-tuning SGD (reference code: 0.9, the momentum
+            it trains with). None: ``local_momentum``.
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
@@ -40,7 +44,8 @@ class FedBABU(FedAvgFT):
         self,
         finetune_epochs: PositiveInt = 5,
         finetune_part: Literal["full", "head", "body"] = "full",
-        finetune_lr: PositiveFloat | None = None,
+        finetune_lr: PositiveFloat | None = 1e-3,
+        finetune_momentum: Momentum | None = 0.9,
         **kwargs: Any,
     ) -> None:
         super().__init__(finetune_epochs=finetune_epochs, **kwargs)
@@ -57,12 +62,25 @@ class FedBABU(FedAvgFT):
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
         return self.local_train(start, clients, round_idx, context=self.frozen_head(clients))
 
-    def personalized_params(self, clients: Tensor) -> Params:
-        h = self.hp
-        model = self.payload(clients) | self.frozen_head(clients)
+    def finetune_sgd(self) -> SGDConfig:
+        """The fine-tuning's SGD: ``finetune_lr`` and ``finetune_momentum`` (None: the local
+        SGD's), the local weight decay and clip."""
+        h, local = self.hp, self.local_sgd()
+        return SGDConfig(
+            local.lr if h.finetune_lr is None else h.finetune_lr,
+            local.momentum if h.finetune_momentum is None else h.finetune_momentum,
+            local.weight_decay,
+            local.max_grad_norm,
+        )
+
+    def finetuned_names(self) -> tuple[str, ...]:
+        """The tensors ``finetune_part`` fine-tunes."""
         body = tuple(n for n in self.arch.shapes if n not in self.head)
         names = {"full": tuple(self.arch.shapes), "head": self.head, "body": body}
-        sgd = self.local_sgd()
-        if h.finetune_lr is not None:
-            sgd = SGDConfig(h.finetune_lr, sgd.momentum, sgd.weight_decay, sgd.max_grad_norm)
-        return self.finetune(model, clients, self.current_round, names[h.finetune_part], sgd)
+        return names[self.hp.finetune_part]
+
+    def personalized_params(self, clients: Tensor) -> Params:
+        model = self.payload(clients) | self.frozen_head(clients)
+        return self.finetune(
+            model, clients, self.current_round, self.finetuned_names(), self.finetune_sgd()
+        )

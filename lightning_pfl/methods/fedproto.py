@@ -66,11 +66,12 @@ def class_means(sums: Tensor, counts: Tensor) -> Tensor:
 def aggregate_prototypes(
     local: Tensor, counts: Tensor, previous: Tensor, present: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Global prototypes C_k = sum_i n_ik C_ik / sum_i n_ik over the clients that have class k.
+    """Global prototypes C_k = sum_i w_ik C_ik / sum_i w_ik over the clients with w_ik > 0.
 
     Args:
         local: ``[C, K, D]`` client prototypes (rows of classes a client lacks are ignored).
-        counts: ``[C, K]`` the clients' class counts n_ik.
+        counts: ``[C, K]`` the clients' weights w_ik: their class counts n_ik (FedPAC, FedProto's
+            ``prototype_average: samples``) or 1 where a client has a prototype (``uniform``).
         previous: ``[K, D]`` the current global prototypes, kept for classes no client has.
         present: ``[K]`` 1.0 where ``previous`` holds a prototype.
 
@@ -160,9 +161,9 @@ class FedProto(Local):
     prototypes C_ik are the mean of f_i(x) over the class-k samples of the batches of its last
     local epoch, computed in training mode by that epoch's forward passes (``prototypes``), and
     it uploads them with its class counts n_ik (zero for a class it has no prototype of). The
-    server sets C_k = sum_i n_ik C_ik / sum_i n_ik over the clients that have class k (classes
-    no client of the round has keep their prototype). Only prototypes (and class counts) are
-    communicated.
+    server sets C_k = sum_i n_ik C_ik / sum_i n_ik over the clients that have class k
+    (``prototype_average``; classes no client of the round has keep their prototype). Only
+    prototypes (and class counts) are communicated.
 
     The client's model stays on the client; its SGD starts every round with zero momentum, as
     the authors' code builds a new optimizer each round (``client_momentum: fresh``), or keeps
@@ -190,6 +191,15 @@ class FedProto(Local):
             collection every epoch). ``training_split``: the mean of the evaluation-mode
             features of the trained model over all its class-k training samples. A class
             without such samples gets no prototype (n_ik = 0 in the server's average).
+        prototype_average: how the server averages the prototypes C_ik of class k of the
+            round's clients i in N_k (those with a class-k prototype) into C_k; |D_ik|: client
+            i's class-k training samples, N_k = sum_{i in N_k} |D_ik|. ``samples``:
+            C_k = sum_i |D_ik| / N_k * C_ik, the minimizer over C_k of the paper's eq. 5
+            prototype term sum_i |D_ik| / N_k * ||C_k - C_ik||^2 and eq. 6's weights;
+            ``uniform``: C_k = 1/|N_k| sum_i C_ik (the authors' code, yuetan031/FedProto
+            ``lib/utils.py`` ``proto_aggregation``); ``eq6_as_printed``: eq. 6 as the paper
+            prints it, C_k = 1/|N_k| sum_i |D_ik| / N_k * C_ik, the ``samples`` average
+            divided once more by the number of clients |N_k|.
         drop_last: an epoch's last, smaller batch is not trained on (the authors' client
             loader, yuetan031/FedProto ``lib/update.py``: ``DataLoader(..., shuffle=True,
             drop_last=True)``), so client i takes E * floor(n_i / B) steps, none if n_i < B;
@@ -211,6 +221,7 @@ class FedProto(Local):
         local_epochs: PositiveInt | None = 1,
         drop_last: bool = True,
         prototypes: Literal["last_epoch", "training_split"] = "last_epoch",
+        prototype_average: Literal["samples", "uniform", "eq6_as_printed"] = "samples",
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -267,11 +278,24 @@ class FedProto(Local):
         self.store.scatter("params", clients, result.params)
         if kept:
             self.store.scatter("momentum", clients, result.momentum)
-        new, present = aggregate_prototypes(local, counts, self.prototypes, self.has_prototype)
+        new, present = self.global_prototypes(local, counts)
         self.prototypes.copy_(new)
         self.has_prototype.copy_(present)
         self.record_communication(down=sent, up={"prototypes": local, "counts": counts})
         return result.loss
+
+    def global_prototypes(self, local: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """The server's new prototypes C_k and their mask from the clients' C_ik ``[C, K, D]``
+        and n_ik ``[C, K]``, by ``prototype_average``."""
+        holders = (counts > 0).float()  # i in N_k
+        uniform = self.hp.prototype_average == "uniform"
+        new, present = aggregate_prototypes(
+            local, holders if uniform else counts, self.prototypes, self.has_prototype
+        )
+        if self.hp.prototype_average == "eq6_as_printed":
+            # a class no client holds keeps its previous prototype: divided by 1
+            new = new / holders.sum(0).clamp_min(1).unsqueeze(-1)
+        return new, present
 
     def class_counts(self, clients: Tensor) -> Tensor:
         """Training samples per class of ``clients``, ``[C, K]``."""
