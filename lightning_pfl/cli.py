@@ -11,9 +11,10 @@ Errors that are the user's to fix print one paragraph and exit with status 2 (se
 ``PFL_DEBUG=1`` for the traceback); a run stopped by SIGINT/SIGTERM saves ``last.ckpt`` and
 exits with 130/143.
 
-The concerns live in their own modules: the trainer settings (``trainer_settings``), what makes
-a checkpoint the same experiment (``experiment``), the run folder's name (``run_names``), the
-error messages (``messages``) and what a run prints (``console``).
+The concerns live in their own modules: the trainer settings (``trainer_settings``), the checks
+across config sections (``config_checks``), what makes a checkpoint the same experiment and
+which one a run resumes from (``experiment``), the run folder's name (``run_names``), the error
+messages (``messages``) and what a run prints (``console``).
 """
 
 from __future__ import annotations
@@ -34,25 +35,28 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pfl.callbacks import RoundCheckpoint
+from lightning_pfl.config_checks import (
+    LINKED_FROM_DATA,
+    check_job,
+    check_links,
+    check_validation_split,
+)
 from lightning_pfl.console import quiet_third_party, result_lines
 from lightning_pfl.costs import RoundCosts
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.experiment import (
     EXPERIMENT_FILE,
-    LAST_CHECKPOINT,
-    check_checkpoint,
     checkpointed_versions,
     experiment_of,
     flatten,
-    last_of_same_experiment,
-    version_holding,
+    resume_from,
 )
 from lightning_pfl.jobs import Job, Runs, RunSpec, expand
 from lightning_pfl.messages import PFLArgumentParser, report, user_error
 from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.papers import describe_record, paper_record
-from lightning_pfl.run_names import default_logger, place_run
+from lightning_pfl.run_names import default_logger, place_run, run_dir
 from lightning_pfl.trainer_settings import check_trainer
 
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -62,13 +66,6 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 1,
     "enable_model_summary": False,
-}
-# What the DataModule knows and the method is told (jsonargparse links, applied on
-# instantiation), with where to set it instead.
-LINKED_FROM_DATA = {
-    "num_clients": "set data.init_args.num_clients instead",
-    "num_classes": "the dataset (data.init_args.dataset) gives it",
-    "input_shape": "the dataset (data.init_args.dataset) gives it",
 }
 
 
@@ -164,7 +161,8 @@ class PFLCLI(LightningCLI):
             raise ConfigError(f"trainer settings refused by Lightning: {error}") from error
 
     def _parse_ckpt_path(self) -> None:
-        """Never replace the config with the checkpoint's hyperparameters (see _check_resume)."""
+        """Never replace the config with the checkpoint's hyperparameters: a checkpoint is
+        checked against the config instead (:func:`~lightning_pfl.experiment.resume_from`)."""
 
     # ----------------------------------------------------------------- before instantiation
     def _set_seed(self) -> None:
@@ -180,52 +178,30 @@ class PFLCLI(LightningCLI):
         config = self.config[self.subcommand]
         assert self.subcommand is not None
         check_trainer(config.trainer, self.subcommand)
-        _check_links(config)
-        _check_validation_split(config, self.subcommand)
+        check_links(config)
+        check_validation_split(config, self.subcommand)
         self.experiment = experiment_of(self.given)
         logger = config.trainer.logger
         place_run(logger, config.trainer.get("default_root_dir"), config.get("config") or [])
         self.job = self._job(config)
         if self.job is not None:
             return  # each run checks its own checkpoint
-        allowed = set(config.get("allow_changes") or [])
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path == "last":
-            if self.subcommand != "fit":
-                raise ConfigError("--ckpt_path last resumes training; give a file to test.")
-            if not isinstance(logger, Namespace) or "init_args" not in logger:
-                raise ConfigError("--ckpt_path last needs the TensorBoard logger's run folders.")
-            version = last_of_same_experiment(_run_dir(logger), self.experiment, allowed)
-            logger.init_args.version = version.name
-            config.ckpt_path = str(version / LAST_CHECKPOINT)
-        elif ckpt_path:
-            check_checkpoint(Path(ckpt_path), self.experiment, allowed)
-            if self.subcommand == "fit" and isinstance(logger, Namespace) and "init_args" in logger:
-                version_name = version_holding(Path(ckpt_path), _run_dir(logger))
-                if version_name is not None:  # continue that run in its own folder
-                    logger.init_args.version = version_name
+        if config.get("ckpt_path"):
+            allowed = set(config.get("allow_changes") or [])
+            config.ckpt_path, version = resume_from(
+                config.ckpt_path, self.subcommand, run_dir(logger), self.experiment, allowed
+            )
+            if version is not None:
+                logger.init_args.version = version
 
     def _job(self, config: Namespace) -> Job | None:
         """The job of ``runs`` (None: a single run), checked before anything is written."""
         runs = Runs(**config.runs)
         if not runs.requested:
             return None
-        if self.subcommand != "fit":
-            raise ConfigError(f"runs trains several runs: use fit, not {self.subcommand}.")
-        devices = config.trainer.get("devices")
-        if isinstance(devices, str) and devices.lstrip("-").isdigit():
-            devices = int(devices)
-        many = (isinstance(devices, int) and devices not in (1,)) or (
-            isinstance(devices, (list, tuple)) and len(devices) > 1
-        )
-        if many or (config.trainer.get("num_nodes") or 1) > 1:
-            raise ConfigError(
-                "runs trains its runs together in one process: use trainer.devices 1 (a job "
-                "shares one device), or run the seeds as separate DDP runs."
-            )
+        assert self.subcommand is not None
+        check_job(config.trainer, self.subcommand)
         logger = config.trainer.logger
-        if not isinstance(logger, Namespace) or "init_args" not in logger:
-            raise ConfigError("runs needs the TensorBoard logger: each run gets its own folder.")
         specs = expand(runs, flatten(self.given))
         return Job(
             specs,
@@ -352,58 +328,6 @@ class PFLCLI(LightningCLI):
             **({"paper": self.paper} if self.paper is not None else {}),
             "config": self._dumped(self.config[self.subcommand]),
         }
-
-
-def _check_links(config: Namespace) -> None:
-    """Refuse model arguments that the DataModule sets (they would be silently replaced)."""
-    given = [name for name in LINKED_FROM_DATA if config.model.init_args.get(name) is not None]
-    if given:
-        raise ConfigError(
-            "; ".join(
-                f"model.init_args.{name} comes from the data section: remove it from the "
-                f"model section ({LINKED_FROM_DATA[name]})"
-                for name in given
-            )
-            + "."
-        )
-
-
-def _check_validation_split(config: Namespace, subcommand: str) -> None:
-    """Refuse what needs a validation split when the data has none (``val_fraction: 0``):
-    the ``validate`` subcommand, a ``select_metric`` other than the default, and callbacks
-    monitoring a ``val/`` metric (best-round checkpoints, early stopping)."""
-    if config.data.init_args.get("val_fraction", 1) > 0:
-        return
-    why = "data.init_args.val_fraction is 0: the clients have no validation split"
-    fix = "set data.init_args.val_fraction > 0"
-    if subcommand == "validate":
-        raise ConfigError(
-            f"validate evaluates the validation split, but {why}; {fix}, or use test."
-        )
-    if config.model.init_args.get("select_metric", "acc") != "acc":
-        raise ConfigError(
-            f"model.init_args.select_metric = {config.model.init_args.select_metric!r} picks the "
-            f"best-validation round, but {why} and no round is selected; remove select_metric, "
-            f"or {fix}."
-        )
-    monitors = [("checkpoint.monitor", config.get("checkpoint", Namespace()).get("monitor"))]
-    callbacks = config.trainer.get("callbacks") or []
-    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
-        if isinstance(callback, Namespace) and "init_args" in callback:
-            name = str(callback.class_path).rsplit(".", 1)[-1]
-            monitors.append(
-                (f"trainer.callbacks {name}.monitor", callback.init_args.get("monitor"))
-            )
-    for argument, monitor in monitors:
-        if isinstance(monitor, str) and monitor.startswith("val/"):
-            raise ConfigError(
-                f"{argument} = {monitor!r} needs a validation metric, but {why}; remove the "
-                f"monitor (or the callback), or {fix}."
-            )
-
-
-def _run_dir(logger: Namespace) -> Path:
-    return Path(logger.init_args.save_dir) / str(logger.init_args.name)
 
 
 def run(

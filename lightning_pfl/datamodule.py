@@ -1,4 +1,9 @@
-"""The federated DataModule: a dataset split into clients, held on the device as tensors."""
+"""The federated DataModule: a dataset split into clients, held on the device as tensors.
+
+Which samples each client holds is decided in :mod:`lightning_pfl.client_split`; the clients'
+index and batch sampling are :mod:`lightning_pfl.client_index`, the evaluation blocks
+:mod:`lightning_pfl.eval_blocks`.
+"""
 
 from __future__ import annotations
 
@@ -13,18 +18,12 @@ from lightning import LightningDataModule
 from torch import Tensor
 
 from lightning_pfl.client_index import ClientIndex, draw_batches
-from lightning_pfl.datasets import DatasetArrays, dataset_spec, load_dataset
+from lightning_pfl.client_split import check_splits, split_clients
+from lightning_pfl.datasets import dataset_spec, load_dataset
 from lightning_pfl.engine import ClientBatches
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.eval_blocks import ClientsBySize, eval_blocks, ragged_eval_blocks
-from lightning_pfl.partition import (
-    ClassesPerClient,
-    IndexLists,
-    Partitioner,
-    PartitionError,
-    count_matrix,
-    split_by_shares,
-)
+from lightning_pfl.partition import ClassesPerClient, IndexLists, Partitioner, count_matrix
 from lightning_pfl.validation import (
     NonNegativeFloat,
     OpenUnitInterval,
@@ -213,13 +212,22 @@ class FederatedDataModule(LightningDataModule):
             **self.dataset_options,
         )
         rng = np.random.default_rng(self.seed)
-        parts = self._split(arrays, rng)
+        parts = split_clients(
+            arrays,
+            self.partition,
+            self.num_clients,
+            self.num_classes,
+            self.eval_split,
+            self.val_fraction,
+            self.test_fraction,
+            rng,
+        )
         inputs = torch.cat([arrays.train_x, arrays.test_x])
         self.labels = torch.cat([arrays.train_y, arrays.test_y])
         self.counts = {
             s: count_matrix(self.labels.numpy(), p, self.num_classes) for s, p in parts.items()
         }
-        self._validate(parts)
+        check_splits(parts, self.val_fraction, self.dataset)
         self.mean, self.std = _channel_stats(
             inputs, torch.from_numpy(np.concatenate(parts["train"]))
         )
@@ -249,65 +257,6 @@ class FederatedDataModule(LightningDataModule):
         self.mean, self.std = self.mean.to(device), self.std.to(device)
         self.noise_std, self.noise_bank = self.noise_std.to(device), self.noise_bank.to(device)
         self.index = {s: ClientIndex.from_lists(p, device) for s, p in self._parts.items()}
-
-    def _split(self, arrays: DatasetArrays, rng: np.random.Generator) -> dict[str, IndexLists]:
-        n_train = len(arrays.train_y)
-        if self.eval_split == "holdout":
-            labels = torch.cat([arrays.train_y, arrays.test_y]).numpy()
-            if arrays.train_clients is not None:
-                owners = arrays.train_clients.numpy()
-                pooled = [np.flatnonzero(owners == i) for i in range(self.num_clients)]
-            else:
-                coarse = _cat_optional(arrays.train_coarse, arrays.test_coarse)
-                pooled = self.partition.split(
-                    labels, self.num_clients, self.num_classes, rng, coarse
-                )
-            return self._holdout(pooled, rng)
-        labels = arrays.train_y.numpy()
-        order = rng.permutation(n_train)
-        n_val = int(round(self.val_fraction * n_train))
-        val_pool = np.sort(order[:n_val])
-        train_pool = np.sort(order[n_val:])
-        coarse = (
-            arrays.train_coarse.numpy()[train_pool] if arrays.train_coarse is not None else None
-        )
-        local = self.partition.split(
-            labels[train_pool], self.num_clients, self.num_classes, rng, coarse
-        )
-        train = [train_pool[p] for p in local]
-        totals = np.bincount(labels[train_pool], minlength=self.num_classes)
-        shares = count_matrix(labels, train, self.num_classes) / np.maximum(totals, 1)
-        test_labels = arrays.test_y.numpy()
-        test = [p + n_train for p in split_by_shares(test_labels, shares, rng)]
-        val = [val_pool[p] for p in split_by_shares(labels[val_pool], shares, rng)]
-        return {"train": train, "val": val, "test": test}
-
-    def _holdout(self, pooled: IndexLists, rng: np.random.Generator) -> dict[str, IndexLists]:
-        out: dict[str, IndexLists] = {"train": [], "val": [], "test": []}
-        for part in pooled:
-            shuffled = rng.permutation(part)
-            n_test = int(round(self.test_fraction * len(part)))
-            n_val = int(round(self.val_fraction * len(part)))
-            out["test"].append(np.sort(shuffled[:n_test]))
-            out["val"].append(np.sort(shuffled[n_test : n_test + n_val]))
-            out["train"].append(np.sort(shuffled[n_test + n_val :]))
-        return out
-
-    def _validate(self, parts: dict[str, IndexLists]) -> None:
-        required: list[str] = ["train", "test"] + (["val"] if self.val_fraction > 0 else [])
-        for split in required:
-            empty = [i for i, p in enumerate(parts[split]) if len(p) == 0]
-            if empty:
-                advice = {
-                    "train": "use fewer clients or a larger Dirichlet min_samples",
-                    "val": "use a larger val_fraction or fewer clients",
-                    "test": "use fewer clients, a larger Dirichlet alpha or test_fraction, or "
-                    "eval_split: holdout",
-                }[split]
-                raise PartitionError(
-                    f"{len(empty)} client(s) (e.g. {empty[:5]}) have no {split} samples under "
-                    f"this split of '{self.dataset}'; {advice}."
-                )
 
     def partition_counts(self) -> dict[str, np.ndarray]:
         """Client x class sample counts of each split (train, val, test)."""
@@ -386,12 +335,6 @@ class FederatedDataModule(LightningDataModule):
 
     def test_dataloader(self) -> ClientChunks:
         return ClientChunks(self.client_chunks())
-
-
-def _cat_optional(a: Tensor | None, b: Tensor | None) -> np.ndarray | None:
-    if a is None or b is None:
-        return None
-    return torch.cat([a, b]).numpy()
 
 
 def _channel_stats(x: Tensor, index: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:

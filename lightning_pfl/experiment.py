@@ -138,3 +138,33 @@ def version_holding(path: Path, run_dir: Path) -> str | None:
     continued from it writes into that folder)."""
     version_dir = path.resolve().parent.parent
     return version_dir.name if version_dir.parent == run_dir.resolve() else None
+
+
+def resume_from(
+    ckpt_path: str,
+    subcommand: str,
+    run_dir: Path | None,
+    current: Mapping[str, Any],
+    allowed: Collection[str],
+) -> tuple[str, str | None]:
+    """The checkpoint a run of ``subcommand`` given ``--ckpt_path ckpt_path`` starts from, and
+    the ``version_*`` folder of ``run_dir`` (the logger's run folders; None: a logger without
+    them) it writes into (None: a new one): ``last`` is the newest checkpoint of the
+    ``current`` experiment, and ``fit`` from a checkpoint of ``run_dir`` continues that run in
+    its own folder.
+
+    Raises:
+        ConfigError: for ``last`` outside ``fit`` or without run folders, and for a checkpoint
+            that is missing, unreadable or of another experiment (up to ``allowed`` keys).
+    """
+    if ckpt_path == "last":
+        if subcommand != "fit":
+            raise ConfigError("--ckpt_path last resumes training; give a file to test.")
+        if run_dir is None:
+            raise ConfigError("--ckpt_path last needs the TensorBoard logger's run folders.")
+        version = last_of_same_experiment(run_dir, current, allowed)
+        return str(version / LAST_CHECKPOINT), version.name
+    check_checkpoint(Path(ckpt_path), current, allowed)
+    if subcommand == "fit" and run_dir is not None:
+        return ckpt_path, version_holding(Path(ckpt_path), run_dir)
+    return ckpt_path, None

@@ -62,3 +62,11 @@ def place_run(logger: Any, default_root_dir: Any, configs: list[Any]) -> None:
         logger.init_args.save_dir = os.path.join(str(default_root_dir), str(save_dir))
     if "name" in logger.init_args and logger.init_args.name is None:
         logger.init_args.name = config_path_name(configs)
+
+
+def run_dir(logger: Any) -> Path | None:
+    """``<save_dir>/<name>`` of a parsed (and placed) logger setting, the folder of its
+    ``version_*`` run folders; None for a logger without run folders."""
+    if not (isinstance(logger, Namespace) and "init_args" in logger):
+        return None
+    return Path(str(logger.init_args.save_dir)) / str(logger.init_args.name)

@@ -11,7 +11,8 @@ import pytest
 from jsonargparse._link_arguments import get_link_actions
 from lightning import Trainer
 
-from lightning_pfl.cli import LINKED_FROM_DATA, PFLCLI, main, run
+from lightning_pfl.cli import PFLCLI, main, run
+from lightning_pfl.config_checks import LINKED_FROM_DATA
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.messages import user_error
 from lightning_pfl.methods.partialfed import PartialFed

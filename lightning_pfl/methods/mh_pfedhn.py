@@ -6,18 +6,19 @@ knows each client's architecture, maps a flat vector onto it (:class:`FlatCodec`
 parameter order), trains it and returns the flat delta. The *server side* (``self.hnet``, a
 :class:`MultiHeadHyperNetwork` built from the clients' parameter counts, and
 :meth:`MHPFedHN.server_gradients`) only ever sees counts, flat vectors and flat deltas.
+
+The client parts that the paper's tables switch on one at a time (Table 13's local layers,
+Table 14's constrained clients) and the batch norm of evaluation are in
+:mod:`lightning_pfl.methods.mh_parts`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-import numpy as np
 import torch
 from torch import Tensor
-from torch.func import vmap
 
 from lightning_pfl.assignment import GroupShare, NetworkGroups
 from lightning_pfl.engine import (
@@ -29,8 +30,14 @@ from lightning_pfl.engine import (
     derive_seed,
     weighted_cross_entropy,
 )
-from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
+from lightning_pfl.methods.mh_parts import (
+    FixedLayers,
+    client_subset,
+    hold_fixed,
+    last_layers,
+    precise_batch_norm,
+)
 from lightning_pfl.models.hypernetwork import set_delta_gradients, steps_in_turn
 from lightning_pfl.models.multihead_hypernetwork import (
     FlatCodec,
@@ -38,11 +45,7 @@ from lightning_pfl.models.multihead_hypernetwork import (
     MultiHeadHyperNetwork,
 )
 from lightning_pfl.novel_adaptation import NovelAdaptation
-from lightning_pfl.streams import (
-    CONSTRAINED_STREAM,
-    ORDER_STREAM,
-    RECALIBRATION_STREAM,
-)
+from lightning_pfl.streams import CONSTRAINED_STREAM, ORDER_STREAM
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -54,9 +57,7 @@ from lightning_pfl.validation import (
 )
 
 Fraction = Annotated[float, Range(gt=0, le=1)]
-# Keys of the per-client context tensors handed to the local loss next to a model's own tensors:
-CONSTRAINED = "constrained"  # [C] bool: a resource-constrained client (holds its fixed layers)
-GENERATED = "generated."  # + tensor name: the generated value of a fixed tensor
+# Key of a per-client context tensor handed to the local loss next to a model's own tensors:
 HOLDS = "holds_global"  # [C] bool: the client holds the global model (distils from it)
 
 
@@ -270,7 +271,7 @@ class MHPFedHN(FederatedMethod):
         loss_fn: LossFn,
         context: Params | None = None,
         buffers: tuple[str, Tensor] | None = None,
-        fixed: tuple[Tensor, tuple[str, ...]] | None = None,
+        fixed: FixedLayers | None = None,
         local: tuple[str, Tensor] | None = None,
     ) -> tuple[Tensor, Params, Tensor]:
         """``clients`` (all of architecture ``arch``) train the model decoded from ``flat``.
@@ -279,10 +280,9 @@ class MHPFedHN(FederatedMethod):
         parameters and buffers (kept by the clients) and the mean training loss per client.
         Batch-norm buffers are read from and written back to the store's ``buffers`` =
         (field, rows). ``context``: per-client tensors the loss reads (MH-pFedHNGD's teachers).
-        ``fixed`` = (per-client mask ``[C]``, tensor names): the masked (constrained) clients
-        hold those tensors at their generated values (``loss_fn`` must come from
-        :meth:`with_fixed_layers`); they come back unchanged and their delta entries are
-        exactly 0.
+        ``fixed``: the constrained clients of the group and the tensors they hold at their
+        generated values (Table 14; ``loss_fn`` must come from :meth:`with_fixed_layers`);
+        those come back unchanged and their delta entries are exactly 0.
         ``local`` = (field, rows) of the tensors the clients keep to themselves (Table 13):
         trained with the rest and written back, never part of the delta.
         """
@@ -291,8 +291,7 @@ class MHPFedHN(FederatedMethod):
             params |= self.store.gather(*local, self.device)
         read = dict(context or {})
         if fixed is not None:
-            mask, names = fixed
-            read |= {CONSTRAINED: mask} | {GENERATED + n: params[n] for n in names}
+            read |= fixed.context(params)
         if arch.stateful and buffers is not None:
             params |= self.store.gather(*buffers, self.device)
         result = self.local_train(
@@ -312,49 +311,17 @@ class MHPFedHN(FederatedMethod):
         trained = result.params
         delta = flat - codec.to_flat(trained)
         if fixed is not None:
-            # SGD's weight decay still moved the fixed tensors' (unused) trainable copies
-            trained = trained | {
-                n: torch.where(mask.view(-1, *[1] * (params[n].dim() - 1)), params[n], trained[n])
-                for n in names
-            }
-            entries = torch.cat(
-                [
-                    torch.full((size,), n in names, dtype=torch.bool, device=delta.device)
-                    for n, size in zip(codec.names, codec.sizes, strict=True)
-                ]
-            )
-            delta = delta.masked_fill(mask[:, None] & entries, 0.0)
+            trained = fixed.restore(trained, params)
+            delta = fixed.zero_delta(delta, codec)
         return self.sparsify(delta), trained, result.loss
 
     def with_fixed_layers(self, kind: str, loss_fn: LossFn) -> LossFn:
-        """``loss_fn`` for clients of ``kind`` some of which hold their last layers fixed.
-
-        The loss reads every tensor t of ``fixed_names[kind]`` as where(constrained, generated
-        t, trainable t), the ``constrained`` mask and the generated values coming per client in
-        the context (:meth:`client_update`): a constrained client's gradient of t is exactly 0
-        and its forward pass uses the generated values at every step. Without constrained
-        clients in the configuration ``loss_fn`` itself is returned.
-        """
+        """``loss_fn`` for clients of ``kind``, some of which may hold their last layers fixed
+        (:func:`~lightning_pfl.methods.mh_parts.hold_fixed`); without constrained clients in
+        the configuration ``loss_fn`` itself."""
         if not self.any_constrained:
             return loss_fn
-        names = set(self.fixed_names[kind])
-
-        def loss(
-            params: Params, context: Params, x: Tensor, y: Tensor, w: Tensor
-        ) -> Tensor | tuple[Tensor, Params]:
-            if CONSTRAINED not in context:
-                return loss_fn(params, context, x, y, w)
-            mask = context[CONSTRAINED]
-            own = {
-                n: torch.where(mask, context[GENERATED + n], p) if n in names else p
-                for n, p in params.items()
-            }
-            rest = {
-                n: t for n, t in context.items() if n != CONSTRAINED and not n.startswith(GENERATED)
-            }
-            return loss_fn(own, rest, x, y, w)
-
-        return loss
+        return hold_fixed(loss_fn, self.fixed_names[kind])
 
     def sparsify(self, delta: Tensor) -> Tensor:
         """Keep each row's top ``upload_fraction`` entries by magnitude (others 0)."""
@@ -423,7 +390,7 @@ class MHPFedHN(FederatedMethod):
                 self.losses[kind] if teachers is None else self.personal_loss(kind),
                 None if teachers is None else {n: t[rows] for n, t in teachers.items()},
                 (f"buffers.{kind}", self.zoo.row_of[on_cpu]),
-                None if mask is None else (mask, self.fixed_names[kind]),
+                None if mask is None else FixedLayers(mask, self.fixed_names[kind]),
                 self.local_field(kind, on_cpu),
             )
             sent.append((kind, positions.tolist(), flat, delta))
@@ -515,28 +482,13 @@ class MHPFedHN(FederatedMethod):
         return self.zoo.tagged(kind, params)
 
     def batch_norm_statistics(self, arch: Architecture, params: Params, clients: Tensor) -> Params:
-        """Batch-norm statistics of ``params`` (stacked over ``clients``), each client's mean
-        over the batches of one seeded pass over its own training data (precise batch norm).
-
-        As in local training, a client's last batch is filled up to the batch size with repeats
-        of its own samples, so the statistics are exact only where a client's data fills its
-        batches.
-        """
-        generator = torch.Generator(self.data.device)
-        generator.manual_seed(derive_seed(self.hp.seed, RECALIBRATION_STREAM))
-        batches = self.data.client_batches(clients, self.hp.batch_size, generator, epochs=1)
-        statistics = vmap(arch.batch_statistics, randomness="different")
-        sums = {
-            n: torch.zeros(len(clients), *shape, device=self.device)
-            for n, shape in arch.buffer_shapes.items()
-        }
-        active = batches.active.float()
-        for step in range(active.shape[1]):
-            x, _ = self.data.fetch(batches.index[:, step])
-            for n, value in statistics(params | sums, x).items():
-                sums[n] += active[:, step].view(-1, *[1] * (value.dim() - 1)) * value
-        count = active.sum(1).clamp_min(1)
-        return {n: t / count.view(-1, *[1] * (t.dim() - 1)) for n, t in sums.items()}
+        """Batch-norm statistics of ``params`` (stacked over ``clients``) from one seeded pass
+        over each client's own training data
+        (:func:`~lightning_pfl.methods.mh_parts.precise_batch_norm`)."""
+        h = self.hp
+        return precise_batch_norm(
+            arch, params, clients, self.data, h.batch_size, h.seed, self.device
+        )
 
     def network_groups(self) -> NetworkGroups:
         return self.zoo
@@ -581,44 +533,3 @@ class MHPFedHN(FederatedMethod):
 
         heads = self.hnet.heads_only_of(ids.tolist())
         return NovelAdaptation([self.hnet.embeddings, *heads], loss, buffers)
-
-
-def client_subset(
-    chosen: float | Sequence[int], num_clients: int, seed: int, stream: int, key: str
-) -> Tensor:
-    """``[num_clients]`` bool mask of ``chosen``: a list of client ids, or a share of all
-    clients (round(share * num_clients) of them, drawn once with a seeded permutation).
-
-    Raises:
-        ConfigError: naming ``key`` for an id outside 0..num_clients-1 or listed twice.
-    """
-    mask = torch.zeros(num_clients, dtype=torch.bool)
-    if isinstance(chosen, (int, float)):
-        count = round(chosen * num_clients)
-        rng = np.random.default_rng([seed, 0, stream])
-        mask[torch.from_numpy(rng.permutation(num_clients)[:count])] = True
-        return mask
-    ids = [int(i) for i in chosen]
-    if any(not 0 <= i < num_clients for i in ids) or len(set(ids)) != len(ids):
-        raise ConfigError(
-            f"{key} = {list(chosen)!r}: give distinct client ids in 0..{num_clients - 1}."
-        )
-    mask[ids] = True
-    return mask
-
-
-def last_layers(names: Sequence[str], count: int, kind: str, key: str) -> tuple[str, ...]:
-    """The tensor names of the last ``count`` layers (modules owning parameters, in parameter
-    order) among ``names``; () for ``count`` 0.
-
-    Raises:
-        ConfigError: naming ``key`` when architecture ``kind`` would have no layer left.
-    """
-    layers = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names))
-    if count >= len(layers):
-        raise ConfigError(
-            f"model.init_args.{key} = {count} leaves no layer of architecture {kind!r} "
-            f"(of {len(layers)}) to the hypernetwork's training; use 0..{len(layers) - 1}."
-        )
-    chosen = set(layers[len(layers) - count :])
-    return tuple(n for n in names if n.rsplit(".", 1)[0] in chosen)

@@ -14,7 +14,8 @@ from lightning_pfl.engine import (
     cross_entropy_loss,
 )
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods.mh_pfedhn import HOLDS, Fraction, MHPFedHN, client_subset
+from lightning_pfl.methods.mh_parts import client_subset
+from lightning_pfl.methods.mh_pfedhn import HOLDS, Fraction, MHPFedHN
 from lightning_pfl.models import build_network
 from lightning_pfl.models.multihead_hypernetwork import (
     FlatCodec,
