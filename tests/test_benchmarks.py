@@ -203,6 +203,19 @@ def test_accuracy_rows_name_their_machine_when_seeds_ran_on_different_ones(tmp_p
     assert "| 1.000 (H100), 2.000 (x86_64) | abc |" in report.accuracy_table([result])
 
 
+def test_accuracy_table_says_how_many_seeds_a_column_with_removed_values_covers() -> None:
+    rows = [
+        {"split": "p", "method": "m", "seed": seed, "rounds": 2, "commit": "abc"}
+        | {"test_acc_at_best_val": 0.9, "test_acc_weighted_at_best_val": 0.9}
+        | {"seconds_per_round": 1.0, "test_acc_last": last}
+        for seed, last in enumerate([0.8, None, None])  # seeds 1-2 invalid, kept as *_invalid
+    ]
+    table = report.accuracy_table([{"rows": rows}])
+    assert "| 90.00 ± 0.00 | 90.00 ± 0.00 | 80.00 (1 of 3) |" in table
+    rows[1]["test_acc_last"] = rows[2]["test_acc_last"] = 0.8
+    assert "| 80.00 ± 0.00 |" in report.accuracy_table([{"rows": rows}])
+
+
 def test_majority_class_floor_predicts_each_clients_most_frequent_training_class() -> None:
     from benchmarks.accuracy import majority_class_accuracy
 
