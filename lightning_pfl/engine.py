@@ -204,8 +204,9 @@ def train_clients(
     ) -> tuple[Params, Params, Params, Tensor]:
         """``step`` of a client that takes it (no masks), differentiated by PyTorch's autograd,
         which costs less Python per call than ``torch.func`` (worker threads share the
-        interpreter); under inference mode (evaluation), where autograd cannot run, by
-        ``torch.func`` as ``step``."""
+        interpreter); under a caller's inference mode, where autograd cannot run, by
+        ``torch.func`` as ``step`` (the library's evaluation runs under no_grad instead:
+        torch 2.11's ``torch.func`` differentiates to zeros under inference mode)."""
         if torch.is_inference_mode_enabled():
             grads, out = value_and_grad(p, {**fr, **st}, x, y, w)
         else:
