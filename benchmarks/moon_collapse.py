@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     partition = (
         ClassesPerClient(2) if args.split == "pathological" else Dirichlet(0.3, min_samples=20)
     )
@@ -138,7 +141,7 @@ def main() -> None:
             h = method.arch.features(net, x)
             hidden = torch.relu(torch.nn.functional.linear(h, proj["0.weight"], proj["0.bias"]))
             z, logits = method.represent(state, x)
-            test_logits = torch.stack([method.predict(state, xc) for xc in test_x])
+            test_logits = torch.stack([method.represent(state, xc)[1] for xc in test_x])
         predicted = test_logits.argmax(-1)
         hits = (predicted == test_y).float() * test_weight
         per_client = hits.sum(1) / test_weight.sum(1)
@@ -205,9 +208,6 @@ def main() -> None:
         }
         rounds.append(row)
         print(json.dumps({k: row[k] for k in ("round", "loss", "test_acc", "z_norm")}), flush=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "what": "MOON on configs/digits/moon.yaml, the global model after every round",
