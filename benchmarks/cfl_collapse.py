@@ -16,6 +16,10 @@ sampling, batches and updates, so its evaluations equal the CLI's), and records:
 - per round: the sampled clients, their local losses and update norms, and the mean test
   accuracy over clients (the CLI's ``acc``).
 
+``--all_clients_from R``: from round index R on every client trains every round (the paper's
+participation), continuing the state the 5-of-10 rounds reached; the rounds before R are the
+same as without it.
+
     python -m benchmarks.cfl_collapse --seed 2 \\
         --out benchmarks/results/digits_cfl_collapse/fresh_sgd_eps_2_1.0_seed2.json
 """
@@ -47,6 +51,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--eps_2", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument(
+        "--all_clients_from",
+        type=int,
+        default=None,
+        help="from this round index on, every client trains every round (the counterfactual "
+        "of full participation from a state reached with 5 of 10)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -154,6 +165,8 @@ def main() -> None:
     for r in range(args.rounds):
         round_now[0] = r
         clients = method.sample_clients(r)
+        if args.all_clients_from is not None and r >= args.all_clients_from:
+            clients = everyone
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(derive_seed(method.hp.seed, r, DROPOUT_STREAM))
             losses = method.run_round(r, clients)
@@ -179,6 +192,7 @@ def main() -> None:
         "what": "CFL on configs/digits/cfl.yaml, every client on its cluster's model per round",
         "seed": args.seed,
         "eps_2": args.eps_2,
+        "all_clients_from": args.all_clients_from,
         "classes": classes,
         "train_samples": [int(v) for v in counts.sum(1)],
         "commit": commit,
