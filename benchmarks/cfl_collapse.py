@@ -160,7 +160,21 @@ def main() -> None:
                 )
         return rows
 
-    record_rounds = []
+    record_rounds: list[dict[str, object]] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "what": "CFL on configs/digits/cfl.yaml, every client on its cluster's model per round",
+        "seed": args.seed,
+        "eps_2": args.eps_2,
+        "all_clients_from": args.all_clients_from,
+        "classes": classes,
+        "train_samples": [int(v) for v in counts.sum(1)],
+        "commit": commit,
+        "device": "cpu, 1 thread",
+        "seconds": 0.0,
+        "splits": splits,
+        "rounds": record_rounds,  # written after every round: an interrupted run keeps its rounds
+    }
     began = time.perf_counter()
     for r in range(args.rounds):
         round_now[0] = r
@@ -183,25 +197,12 @@ def main() -> None:
             "per_client": per_client,
         }
         record_rounds.append(row)
+        record["seconds"] = round(time.perf_counter() - began, 1)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(
             json.dumps({k: row[k] for k in ("round", "cluster_of", "test_acc")}),
             flush=True,
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "what": "CFL on configs/digits/cfl.yaml, every client on its cluster's model per round",
-        "seed": args.seed,
-        "eps_2": args.eps_2,
-        "all_clients_from": args.all_clients_from,
-        "classes": classes,
-        "train_samples": [int(v) for v in counts.sum(1)],
-        "commit": commit,
-        "device": "cpu, 1 thread",
-        "seconds": round(time.perf_counter() - began, 1),
-        "splits": splits,
-        "rounds": record_rounds,
-    }
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -159,10 +159,25 @@ def main() -> None:
             hits[test_mask],
         )
 
-    rounds = []
+    rounds: list[dict[str, object]] = []
     state = method.global_state()
     before = snapshot(state)[0]
     print(json.dumps(before))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "what": "MOON on configs/digits/moon.yaml, the global model after every round",
+        "split": args.split,
+        "seed": args.seed,
+        "classifier_input": args.classifier_input,
+        "mu": args.mu,
+        "local_lr": args.local_lr,
+        "local_momentum": args.local_momentum,
+        "commit": commit,
+        "device": "cpu, 1 thread",
+        "seconds": 0.0,
+        "round_0": before,
+        "rounds": rounds,  # written after every round: an interrupted run keeps its rounds
+    }
     began = time.perf_counter()
     for r in range(args.rounds):
         clients = method.sample_clients(r)
@@ -207,23 +222,9 @@ def main() -> None:
             },
         }
         rounds.append(row)
+        record["seconds"] = round(time.perf_counter() - began, 1)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(json.dumps({k: row[k] for k in ("round", "loss", "test_acc", "z_norm")}), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "what": "MOON on configs/digits/moon.yaml, the global model after every round",
-        "split": args.split,
-        "seed": args.seed,
-        "classifier_input": args.classifier_input,
-        "mu": args.mu,
-        "local_lr": args.local_lr,
-        "local_momentum": args.local_momentum,
-        "commit": commit,
-        "device": "cpu, 1 thread",
-        "seconds": round(time.perf_counter() - began, 1),
-        "round_0": before,
-        "rounds": rounds,
-    }
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
