@@ -7,14 +7,15 @@ given (``--classifier_input``, ``--mu``, ``--local_lr``, ``--local_momentum``), 
 after every round, for the global model on every client's training samples:
 
 - the round's mean local training loss and each sampled client's;
+- each sampled client's CE on its whole training set at the received model and at its
+  locally trained model (does its local training fit its own two classes?);
 - the representation h (the network's features, after its ReLU) and the projection's hidden
   layer (after its ReLU): the fraction of units that are zero on every training sample (dead),
   and the mean norm of h, of z (the projection's output) and of the logits;
 - per part (encoder, projection, output layer or the network's classifier): the norm of the
   global weights, of the round's aggregated update, and the mean over the sampled clients of
-  ||w_i - w|| (the local move) and of the gradient norm of the client's loss (CE + mu l_con,
-  whose l_con is 0 at the round's start, so CE) at the received model on its whole training
-  set;
+  ||w_i - w|| (the local move) and of the gradient norm of the client's CE at the received
+  model on its whole training set;
 - with ``--sharpness_every k``, every k rounds: the largest-magnitude Hessian eigenvalue
   (sharpness) of each sampled client's CE on its training set at the received model
   (``start_sharpness``); heavy-ball SGD at lr eta and momentum beta is stable on a quadratic
@@ -214,10 +215,11 @@ def main() -> None:
     for r in range(args.rounds):
         clients = method.sample_clients(r)
         start = {n: t.clone() for n, t in state.items()}
-        grads, sharpness = [], []
+        grads, sharpness, batches = [], [], []
         for c in clients.tolist():
             rows = train_mask[c]
             batch = (train_x[c][rows], train_y[c][rows], torch.ones(int(rows.sum())))
+            batches.append(batch)
             grads.append(norms(grad(ce_of)(start, *batch), head, stacked=False))
             if args.sharpness_every and r % args.sharpness_every == 0:
                 sharpness.append(top_eigenvalue(partial(client_ce, batch=batch), start))
@@ -229,6 +231,11 @@ def main() -> None:
         state = method.global_state()
         moved = {n: trained[-1][n] - start[n] for n in start}
         local_move = norms(moved, head, stacked=True)
+        with torch.no_grad():
+            ce_before = [ce_of(start, *b) for b in batches]
+            ce_after = [
+                ce_of({n: t[k] for n, t in trained[-1].items()}, *b) for k, b in enumerate(batches)
+            ]
         update = norms({n: state[n] - start[n] for n in start}, head, stacked=False)
         weights = norms(state, head, stacked=False)
         now, predicted, hits = snapshot(state)
@@ -240,6 +247,8 @@ def main() -> None:
             "sampled_classes": sampled_classes,
             "loss": rounded(losses.mean()),
             "client_loss": [rounded(v) for v in losses],
+            "client_ce_at_received": [rounded(v) for v in ce_before],
+            "client_ce_after_local_training": [rounded(v) for v in ce_after],
             **now,
             "predicted_in_sampled_classes": rounded(
                 torch.isin(predicted, torch.tensor(sampled_classes)).float().mean(),
