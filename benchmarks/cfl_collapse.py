@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.moon_collapse import one_round_a_line
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.engine import derive_seed
 from lightning_pfl.methods.cfl import CFL
@@ -198,7 +199,7 @@ def main() -> None:
         }
         record_rounds.append(row)
         record["seconds"] = round(time.perf_counter() - began, 1)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        args.out.write_text(one_round_a_line(record))
         print(
             json.dumps({k: row[k] for k in ("round", "cluster_of", "test_acc")}),
             flush=True,

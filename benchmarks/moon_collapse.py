@@ -85,6 +85,13 @@ def top_eigenvalue(loss: Callable[[Params], Tensor], at: Params, iterations: int
     return eigenvalue
 
 
+def one_round_a_line(record: dict[str, object]) -> str:
+    """``record`` as indented JSON whose ``rounds`` list holds one round per line."""
+    head = json.dumps({k: v for k, v in record.items() if k != "rounds"}, indent=1)
+    rounds = ",\n".join(json.dumps(r) for r in record["rounds"])  # type: ignore[attr-defined]
+    return head[:-2] + ',\n "rounds": [\n' + rounds + "\n ]\n}\n"
+
+
 def rounded(x: float | Tensor, digits: int = 4) -> float:
     return round(float(x), digits)
 
@@ -267,7 +274,7 @@ def main() -> None:
         }
         rounds.append(row)
         record["seconds"] = round(time.perf_counter() - began, 1)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        args.out.write_text(one_round_a_line(record))
         print(json.dumps({k: row[k] for k in ("round", "loss", "test_acc", "z_norm")}), flush=True)
 
 
