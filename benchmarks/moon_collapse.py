@@ -3,7 +3,8 @@
 Trains ``configs/digits/moon.yaml`` (10 clients, 5 per round, 20 local steps of batch 32,
 SGD momentum 0.9, weight decay 5e-5, clip 50) round by round as the Trainer does (same client
 sampling, batches and server step, so its evaluations equal the CLI's), with the overrides
-given (``--classifier_input``, ``--mu``, ``--local_lr``, ``--local_momentum``), and records
+given (``--classifier_input``, ``--mu``, ``--local_lr``, ``--local_momentum``,
+``--local_weight_decay``), and records
 after every round, for the global model on every client's training samples:
 
 - the round's mean local training loss and each sampled client's;
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--mu", type=float, default=1.0)
     parser.add_argument("--local_lr", type=float, default=0.05)
     parser.add_argument("--local_momentum", type=float, default=0.9)
+    parser.add_argument("--local_weight_decay", type=float, default=5e-5)
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument(
         "--sharpness_every",
@@ -132,7 +134,7 @@ def main() -> None:
         input_shape=dm.input_shape,
         local_epochs=None,
         local_max_grad_norm=50.0,
-        local_weight_decay=5e-5,
+        local_weight_decay=args.local_weight_decay,
         local_momentum=args.local_momentum,
         mu=args.mu,
         temperature=0.5,
@@ -212,6 +214,7 @@ def main() -> None:
         "mu": args.mu,
         "local_lr": args.local_lr,
         "local_momentum": args.local_momentum,
+        "local_weight_decay": args.local_weight_decay,
         "commit": commit,
         "device": "cpu, 1 thread",
         "seconds": 0.0,
