@@ -204,6 +204,74 @@ def train(
     return method, *best
 
 
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per local work ``lr:steps`` and K_P, over seeds: the benchmark's accuracy (mean over
+    clients), the pooled one, the mean train accuracy and test loss over clients, the test
+    accuracy by the class's training count, the probes; and per client K_P = 2 minus K_P = 1
+    (same seed) against the client's training samples per class present."""
+    out: dict[str, Any] = {}
+    for lr, steps in dict.fromkeys((r["local_lr"], r["local_steps"]) for r in runs):
+        work = [r for r in runs if (r["local_lr"], r["local_steps"]) == (lr, steps)]
+        entry: dict[str, Any] = {}
+        for k in sorted({r["personal_layers"] for r in work}):
+            mine = [r for r in work if r["personal_layers"] == k]
+            clients = [c for r in mine for c in r["clients"]]
+            bins = {
+                b: [sum(r["by_train_count"][b][i] for r in mine) for i in (0, 1)]
+                for b in mine[0]["by_train_count"]
+            }
+            entry[f"personal_layers_{k}"] = {
+                "acc_per_seed": [r["acc"] for r in mine],
+                "acc": round(sum(r["acc"] for r in mine) / len(mine), 4),
+                "pooled_acc": round(
+                    sum(c["test_acc"] * c["n_test"] for c in clients)
+                    / sum(c["n_test"] for c in clients),
+                    4,
+                ),
+                "train_acc": round(sum(c["train_acc"] for c in clients) / len(clients), 4),
+                "test_loss": round(sum(c["test_loss"] for c in clients) / len(clients), 4),
+                "by_train_count": {b: [*v, round(v[0] / max(v[1], 1), 4)] for b, v in bins.items()},
+                "probes": {
+                    name: round(sum(r["probes"][name]["acc"] for r in mine) / len(mine), 4)
+                    for name in mine[0]["probes"]
+                },
+            }
+        pairs = [
+            (one, two)
+            for r1 in work
+            for r2 in work
+            if r1["personal_layers"] == 1
+            and r2["personal_layers"] == 2
+            and r1["seed"] == r2["seed"]
+            for one, two in zip(r1["clients"], r2["clients"], strict=True)
+        ]
+        if pairs:
+            per_class = torch.tensor([a["n_train"] / a["train_classes"] for a, _ in pairs])
+            delta = torch.tensor([b["test_acc"] - a["test_acc"] for a, b in pairs])
+            median = float(per_class.median())
+            low = per_class < median
+            entry["kp2_minus_kp1_per_client"] = {
+                "clients": len(pairs),
+                "median_train_samples_per_class": round(median, 2),
+                "mean_delta_below_median": round(float(delta[low].mean()), 4),
+                "mean_delta_at_or_above_median": round(float(delta[~low].mean()), 4),
+                "corr_delta_train_samples_per_class": round(
+                    float(torch.corrcoef(torch.stack([per_class, delta]))[0, 1]), 3
+                ),
+                "clients_with_higher_test_loss": sum(
+                    b["test_loss"] > a["test_loss"] for a, b in pairs
+                ),
+            }
+        out[f"lr_{lr}_steps_{steps}"] = entry
+    return out
+
+
+def git_commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -213,7 +281,16 @@ def main() -> None:
     parser.add_argument("--eval_every", type=int, default=12)
     parser.add_argument("--probe_decay", type=float, default=1e-3)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--summarize", action="store_true", help="only (re)compute the summary of --out's runs"
+    )
     args = parser.parse_args()
+    if args.summarize:
+        result = json.loads(args.out.read_text())
+        result["summary"] = summarize(result["runs"])
+        result["summary_commit"] = git_commit()
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return
     torch.set_num_threads(1)
     runs = []
     for seed in args.seeds:
@@ -256,9 +333,7 @@ def main() -> None:
                     ),
                     flush=True,
                 )
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = git_commit()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "what": "FedPer on digits Dirichlet(0.3) (configs/digits/fedper.yaml, the accuracy "
@@ -270,6 +345,7 @@ def main() -> None:
         "eval_every": args.eval_every,
         "probe_decay": args.probe_decay,
         "runs": runs,
+        "summary": summarize(runs),
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
