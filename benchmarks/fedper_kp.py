@@ -292,6 +292,7 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         return
     torch.set_num_threads(1)
+    commit = git_commit()  # the code that trains, before any later checkout
     runs = []
     for seed in args.seeds:
         dm = FederatedDataModule(
@@ -333,7 +334,6 @@ def main() -> None:
                     ),
                     flush=True,
                 )
-    commit = git_commit()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "what": "FedPer on digits Dirichlet(0.3) (configs/digits/fedper.yaml, the accuracy "
