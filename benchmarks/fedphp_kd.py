@@ -18,7 +18,7 @@ it also records each client's test accuracy and the test accuracy by how many tr
 the client holds of the test sample's class (``by_train_count``: bins 1-4, 5-19, 20+).
 
     nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.fedphp_kd --seeds 0 1 2 \\
-        --out benchmarks/results/digits_fedphp_kd/hpm_diagnosis.json
+        --out benchmarks/results/digits_fedphp_kd/hpm/diagnosis.json
 """
 
 from __future__ import annotations
