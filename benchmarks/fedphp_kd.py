@@ -160,6 +160,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # the code that trains, before any later checkout
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     runs = []
     for seed in args.seeds:
         dm = FederatedDataModule(
@@ -185,9 +189,6 @@ def main() -> None:
                 for b in mine[0]["by_train_count"]
             },
         }
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "what": "FedPHP on digits Dirichlet(0.3) (configs/digits/fedphp.yaml, the accuracy "
