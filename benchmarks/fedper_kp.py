@@ -1,6 +1,7 @@
 """Why is FedPer's K_P = 2 below K_P = 1 on digits Dirichlet(0.3)? Client by client.
 
-Trains FedPer as the digits accuracy benchmark's Dirichlet(0.3) rows (configs/digits/fedper.yaml:
+Trains FedPer as the digits accuracy benchmark's Dirichlet(0.3) rows (``--split pathological``:
+its 2-classes-per-client rows; configs/digits/fedper.yaml:
 10 clients, 5 per round, 20 local steps of batch 32 at lr 0.05, pFedHN's inner-loop SGD, 150
 rounds, validation every 12 rounds; one thread, the same seeded sampling and batches as the CLI)
 for each ``--personal_layers`` K_P and each ``--variants lr:steps`` of the local work, and at
@@ -38,7 +39,7 @@ from lightning_pfl import FederatedDataModule
 from lightning_pfl.datamodule import Split
 from lightning_pfl.engine import Params, derive_seed
 from lightning_pfl.methods.fedper import FedPer
-from lightning_pfl.partition import Dirichlet
+from lightning_pfl.partition import ClassesPerClient, Dirichlet
 from lightning_pfl.streams import DROPOUT_STREAM
 
 BINS = ((0, 0), (1, 4), (5, 19), (20, 10**9))
@@ -274,6 +275,7 @@ def git_commit() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--split", choices=["dirichlet", "pathological"], default="dirichlet")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--personal_layers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--variants", nargs="+", default=["0.05:20"], help="local lr:steps")
@@ -298,7 +300,9 @@ def main() -> None:
         dm = FederatedDataModule(
             "digits",
             num_clients=10,
-            partition=Dirichlet(alpha=0.3, min_samples=20),
+            partition=Dirichlet(alpha=0.3, min_samples=20)
+            if args.split == "dirichlet"
+            else ClassesPerClient(2),
             val_fraction=0.15,
             seed=seed,
         )
@@ -336,10 +340,11 @@ def main() -> None:
                 )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "what": "FedPer on digits Dirichlet(0.3) (configs/digits/fedper.yaml, the accuracy "
+        "what": f"FedPer on digits {args.split} (configs/digits/fedper.yaml, the accuracy "
         "benchmark's rows), per client at the best-validation round, for K_P = "
         "personal_layers and local work lr:steps",
         "commit": commit,
+        "split": args.split,
         "device": "cpu, 1 thread",
         "rounds": args.rounds,
         "eval_every": args.eval_every,
