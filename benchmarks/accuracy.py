@@ -17,7 +17,7 @@ Settings (``--setting``), each a folder of configs, one per method:
   non-IID_1 (2 classes per client) and non-IID_2 (Dirichlet(0.01), at least 40 samples each).
 - ``digits_100clients``: ``configs/digits_100clients/*.yaml``, the same protocol on digits with
   100 clients (no download).
-- ``privacy_digits``: ``configs/privacy/digits/*.yaml``, FedAvg, FedPer and pFedHN with
+- ``privacy_digits``: ``configs/privacy/digits/*.yaml``, FedAvg, FedPer, pFedHN and MH-pFedHN with
   client-level DP at two noise multipliers in the digits setting (docs/privacy.md); rows carry
   the run's ``privacy`` record (epsilon at delta). ``fashion_mnist_privacy`` (and ``_reduced``,
   100 rounds): the same on FashionMNIST, ``configs/privacy/fashion_mnist*/``.

@@ -52,9 +52,14 @@ UPLOADS = {
     "PFedHNPC": "its body delta; its DP round is not implemented",
     "PFedHNBudgets": "the deltas of its budget's model; its DP round is not implemented",
     "PeFLL": "its delta and the embedding network's gradient from its data",
-    "MHPFedHN": "the delta of its own architecture; its DP round is not implemented",
-    "MHPFedHNG": "the deltas of its own and the global model; no DP round is implemented",
-    "MHPFedHNGD": "the deltas of its own and the global model; no DP round is implemented",
+    "MHPFedHNG": (
+        "the deltas of its own and the global model; the global model's step (a sample-weighted "
+        "mean of the holders' deltas, a second server step each round) has no DP version"
+    ),
+    "MHPFedHNGD": (
+        "the deltas of its own and the global model; the global model's step (a sample-weighted "
+        "mean of the holders' deltas, a second server step each round) has no DP version"
+    ),
 }
 
 
@@ -115,7 +120,7 @@ class ClientDP:
                 f"{KEY}: {name} does not support client-level DP: each client uploads "
                 f"{uploads} (docs/privacy.md). Remove client_dp, or use a method whose round "
                 "privatizes its uploads: FedAvg and the FedAvg subclasses that keep its round "
-                "(FedPer, FedProx, Ditto, ...), PFedHN or PFedLHN."
+                "(FedPer, FedProx, Ditto, ...), PFedHN, PFedLHN or MHPFedHN."
             )
         return str(what)
 

@@ -3,24 +3,26 @@
 Which clients are chosen (:func:`client_subset`: Table 14's resource-constrained clients,
 MH-pFedHNG's holders of the global model), which layers (:func:`last_layers`: Table 13's local
 layers, Table 14's fixed ones), how a constrained client holds its fixed layers at their
-generated values (:class:`FixedLayers`, :func:`hold_fixed`), and the batch-norm statistics a
-client evaluates a generated model with (:func:`precise_batch_norm`).
+generated values (:class:`FixedLayers`, :func:`hold_fixed`), the batch-norm statistics a
+client evaluates a generated model with (:func:`precise_batch_norm`), and which hypernetwork
+parameters client-level DP treats as shared (:func:`shared_and_personal`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import vmap
 
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.engine import Architecture, LossFn, Params, derive_seed
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.models.multihead_hypernetwork import FlatCodec
+from lightning_pfl.models.multihead_hypernetwork import FlatCodec, MultiHeadHyperNetwork
 from lightning_pfl.streams import RECALIBRATION_STREAM
 
 # Keys of the per-client context tensors handed to the local loss next to a model's own tensors:
@@ -160,3 +162,23 @@ def precise_batch_norm(
             sums[n] += active[:, step].view(-1, *[1] * (value.dim() - 1)) * value
     count = active.sum(1).clamp_min(1)
     return {n: t / count.view(-1, *[1] * (t.dim() - 1)) for n, t in sums.items()}
+
+
+def shared_and_personal(
+    hnet: MultiHeadHyperNetwork,
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The (shared, personal) parameters of ``hnet`` for client-level DP, each in ``hnet``'s
+    parameter order. Personal: the slot embeddings (row i's slots feed only row i's vector) and
+    every head that a single row reads (``head_sharing: client``, or a tau no other row has);
+    what they are is released to that row's client alone. Shared: the MLP and every head that
+    several rows read (the rows of all clients, novel ones included), whose values reach more
+    than one client."""
+    readers = Counter(hnet.head_of)
+    own = {
+        f"heads.{key}_{part}" for key, n in readers.items() if n == 1 for part in ("weight", "bias")
+    }
+    shared: list[nn.Parameter] = []
+    personal: list[nn.Parameter] = []
+    for name, p in hnet.named_parameters():
+        (personal if name == "embeddings" or name in own else shared).append(p)
+    return shared, personal

@@ -30,6 +30,7 @@ from lightning_pfl.engine import (
     derive_seed,
     weighted_cross_entropy,
 )
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.methods.mh_parts import (
     FixedLayers,
@@ -37,6 +38,7 @@ from lightning_pfl.methods.mh_parts import (
     hold_fixed,
     last_layers,
     precise_batch_norm,
+    shared_and_personal,
 )
 from lightning_pfl.models.hypernetwork import set_delta_gradients, steps_in_turn
 from lightning_pfl.models.multihead_hypernetwork import (
@@ -45,6 +47,7 @@ from lightning_pfl.models.multihead_hypernetwork import (
     MultiHeadHyperNetwork,
 )
 from lightning_pfl.novel_adaptation import NovelAdaptation
+from lightning_pfl.privacy import gaussian_noise, privatizes
 from lightning_pfl.streams import CONSTRAINED_STREAM, ORDER_STREAM
 from lightning_pfl.validation import (
     Momentum,
@@ -83,6 +86,13 @@ class MHPFedHN(FederatedMethod):
 
     The order is a permutation drawn from (seed, round) alone, so resumed runs and DDP ranks
     step alike.
+
+    With ``client_dp`` (``hn_update: mean`` only; docs/privacy.md) the server privatizes the
+    update of the hypernetwork's shared part phi_s (the MLP and every head more than one client
+    reads): each client's contribution c_i = (d g_i / d phi_s)^T delta_i is clipped to norm S
+    as one vector, and grad(phi_s) = (sum_i clip(c_i) + N(0, z^2 S^2 I)) / qN. The slot
+    embeddings and a head only one client reads are that client's personal parameters and get
+    the gradient of the round without DP (:meth:`private_server_gradients`).
 
     Every behaviour that differs from the paper is an option whose default is the paper's (see
     the "Deviations from the paper" table of docs/methods.md).
@@ -246,6 +256,13 @@ class MHPFedHN(FederatedMethod):
                 standardized,
                 self.separate_rows(),
             )
+        if self.client_dp is not None and hn_update != "mean":
+            raise ConfigError(
+                f"model.init_args.client_dp: {type(self).__name__} privatizes the mean update "
+                f"of the hypernetwork; hn_update = '{hn_update}' takes one server step per "
+                "client, which is not a noisy mean; use hn_update: mean."
+            )
+        self.dp_shared, self.dp_personal = shared_and_personal(self.hnet)
 
     def extra_counts(self) -> list[int]:
         """Counts of hypernetwork rows after the clients' (MH-pFedHNG: the global model)."""
@@ -356,7 +373,72 @@ class MHPFedHN(FederatedMethod):
             self.hp.hn_max_grad_norm,
         )
 
+    def private_server_gradients(
+        self, generated: list[Tensor], deltas: list[Tensor], generator: torch.Generator
+    ) -> None:
+        """DP-FedAvg on the shared part phi_s (``client_dp``): grad(phi_s) = (sum_i f_i c_i +
+        N(0, z^2 S^2 I)) / qN with c_i = (d g_i / d phi_s)^T delta_i and f_i = min(1, S /
+        ||c_i||), the norm over every shared tensor (zero where client i reads none). The norms
+        come from one batched backward (batch b of the output gradients holds client b's delta
+        in its row only); the clipped sum is then the gradient of the surrogate with weights
+        f_i / qN, one backward, so that with f_i = 1 it is the round's gradient without DP
+        bit for bit. The noise is on every shared tensor, also one no client of the round read.
+        grad of the personal part (embeddings, single-reader heads) as without DP (weights
+        1 / C). Each part is clipped to ``hn_max_grad_norm`` on its own, so that phi_s's step
+        does not depend on the personal part's unclipped gradients."""
+        dp = self.client_dp
+        assert dp is not None, "client_dp is not set"
+        sizes = [len(g) for g in generated]
+        count = sum(sizes)
+        rows = torch.eye(count, device=self.device).split(sizes, dim=1)  # [count, C_j] each
+        batched = [
+            r.view(count, c, 1) * d.to(g.dtype).unsqueeze(0)
+            for r, c, g, d in zip(rows, sizes, generated, deltas, strict=True)
+        ]
+        per_client = torch.autograd.grad(
+            generated,
+            self.dp_shared,
+            batched,
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=True,
+        )
+        # ||c_i|| from each tensor's norm (no flattened float64 copy of the [C, ...] gradients,
+        # which took 2 s a round with the digits zoo's 13.5 M shared parameters), squared and
+        # summed in float64
+        norms = torch.stack(
+            [
+                torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())))
+                for g in per_client
+                if g is not None
+            ]
+        )
+        factors = (dp.clip_norm / norms.double().pow(2).sum(0).sqrt()).clamp(max=1.0)
+        factors = factors.to(generated[0].dtype)
+        expected = self.hp.clients_per_round  # qN: the simulation samples exactly that many
+        weights = list((factors * (1.0 / expected)).split(sizes))
+        set_delta_gradients(self.dp_shared, generated, deltas, weights, None, retain_graph=True)
+        if dp.noise_multiplier > 0:
+            std = dp.noise_multiplier * dp.clip_norm
+            noise = gaussian_noise(
+                {str(i): p for i, p in enumerate(self.dp_shared)}, std, generator
+            )
+            for i, p in enumerate(self.dp_shared):
+                scaled = noise[str(i)] / expected
+                p.grad = scaled if p.grad is None else p.grad + scaled
+        uniform = torch.full((count,), 1.0 / count, device=self.device)
+        set_delta_gradients(self.dp_personal, generated, deltas, list(uniform.split(sizes)), None)
+        if self.hp.hn_max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.dp_shared, self.hp.hn_max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self.dp_personal, self.hp.hn_max_grad_norm)
+
     # ----------------------------------------------------------------- the round
+    @privatizes(
+        "each client's contribution (d g_i / d phi_s)^T delta_i to the gradient of the "
+        "hypernetwork's shared part phi_s (its MLP and every head more than one client reads), "
+        "clipped as one vector (hn_update: mean); client i's slot embeddings and a head only "
+        "client i reads are its personal parameters and are updated from its unclipped delta"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         losses, down, up = self.personal_round(round_idx, clients)
         self.record_communication(down=down, up=up)
@@ -407,9 +489,13 @@ class MHPFedHN(FederatedMethod):
                 self.server_gradients([sent[-1][2]], [sent[-1][3]], losses.new_ones(1))
         else:
             losses = self.zoo.train_groups(clients, train)
-            if self.hp.hn_update == "mean":  # rows in group order; uniform weights 1/C
+            generated, deltas = [g for *_, g, _ in sent], [d for *_, d in sent]
+            if self.hp.hn_update == "mean" and self.client_dp is not None:
+                generator = self.client_dp_generator(round_idx)
+                self.private_server_gradients(generated, deltas, generator)
+            elif self.hp.hn_update == "mean":  # rows in group order; uniform weights 1/C
                 weights = torch.full((len(clients),), 1.0 / len(clients), device=self.device)
-                self.server_gradients([g for *_, g, _ in sent], [d for *_, d in sent], weights)
+                self.server_gradients(generated, deltas, weights)
             else:
                 self.per_client_steps(sent, round_idx)
         kinds = list(dict.fromkeys(kind for kind, *_ in sent))
