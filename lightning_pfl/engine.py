@@ -112,6 +112,15 @@ def cross_entropy_loss(arch: Architecture) -> LossFn:
     return loss
 
 
+def _normal_tensor(tensor: Tensor) -> Tensor:
+    return tensor.clone() if tensor.is_inference() else tensor
+
+
+def _normal(tensors: Params) -> Params:
+    """``tensors`` with each inference tensor replaced by a normal copy (autograd can save it)."""
+    return {n: _normal_tensor(t) for n, t in tensors.items()}
+
+
 def train_clients(
     loss_fn: LossFn,
     params: Params,
@@ -160,6 +169,29 @@ def train_clients(
             together and whether they are clipped): clients of runs that differ only by their
             SGD settings train as one.
     """
+    if torch.is_inference_mode_enabled():
+        # torch.func differentiates to zeros under inference mode in torch 2.11
+        # (pytorch/pytorch#177318), and autograd cannot run there: train outside it, on
+        # normal copies of the caller's inference tensors (autograd cannot save those).
+        with torch.inference_mode(False):
+            return train_clients(
+                loss_fn,
+                _normal(params),
+                groups,
+                ClientBatches(
+                    *map(_normal_tensor, (batches.index, batches.weight, batches.active))
+                ),
+                fetch,
+                context=context and _normal(context),
+                momentum=momentum and _normal(momentum),
+                vectorize=vectorize,
+                compile_step=compile_step,
+                state=state and _normal(state),
+                graphs=graphs,
+                fetch_key=fetch_key,
+                threads=threads,
+                rates=rates and _normal(rates),
+            )
     context = context or {}
     state = state or {}
     rates = rates or {}
@@ -204,24 +236,18 @@ def train_clients(
     ) -> tuple[Params, Params, Params, Tensor]:
         """``step`` of a client that takes it (no masks), differentiated by PyTorch's autograd,
         which costs less Python per call than ``torch.func`` (worker threads share the
-        interpreter); under a caller's inference mode, where autograd cannot run, by
-        ``torch.func`` as ``step`` (the library's evaluation runs under no_grad instead:
-        torch 2.11's ``torch.func`` differentiates to zeros under inference mode)."""
-        if torch.is_inference_mode_enabled():
-            grads, out = value_and_grad(p, {**fr, **st}, x, y, w)
-        else:
-            leaves = {n: t.detach().requires_grad_() for n, t in p.items()}
-            with torch.enable_grad():
-                out = loss_fn(leaves, {**fr, **st}, x, y, w)
-                objective = out[0] if isinstance(out, tuple) else out
-                differentiated = torch.autograd.grad(
-                    objective,
-                    list(leaves.values()),
-                    allow_unused=True,
-                    materialize_grads=True,
-                )
-            grads = dict(zip(leaves, differentiated, strict=True))
-        loss, new_st = out if state else (out, {})
+        interpreter)."""
+        leaves = {n: t.detach().requires_grad_() for n, t in p.items()}
+        with torch.enable_grad():
+            out = loss_fn(leaves, {**fr, **st}, x, y, w)
+            loss, new_st = out if isinstance(out, tuple) else (out, {})
+            differentiated = torch.autograd.grad(
+                loss,
+                list(leaves.values()),
+                allow_unused=True,
+                materialize_grads=True,
+            )
+        grads = dict(zip(leaves, differentiated, strict=True))
         new_p, new_m = _foreach_sgd_step(p, grads, m, client_groups)
         return new_p, new_m, {n: t.detach() for n, t in new_st.items()}, loss.detach()
 

@@ -62,7 +62,9 @@ class Evaluation(LightningModule):
 
         def training_clients_of(self, clients: Tensor) -> Tensor: ...
 
-        def _log_at_round(self, metrics: Mapping[str, float]) -> None: ...
+        def _log_at_round(
+            self, metrics: Mapping[str, float], rounds: int | None = None
+        ) -> None: ...
 
     def network_groups(self) -> NetworkGroups | None:
         """Client groups whose networks differ, evaluated one group at a time (default none)."""

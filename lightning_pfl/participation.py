@@ -62,6 +62,8 @@ class Participation(LightningModule):
         sample = chosen[: self.hp.clients_per_round].sort().values
         if self.unreliable is not None:
             self.round_reach = (round_idx, len(sample), *self.unreliable.counts(sample, round_idx))
+        if self.device.type == "cuda":  # a pageable copy would wait for the queued rounds
+            return sample.pin_memory().to(self.device, non_blocking=True)
         return sample.to(self.device)
 
     def client_weights(

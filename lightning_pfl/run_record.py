@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from lightning_pfl.datamodule import FederatedDataModule
-from lightning_pfl.errors import ConfigError
+from lightning_pfl.errors import ConfigError, NonFiniteLossError
 from lightning_pfl.metrics import ACCURACIES, over_evaluations
 from lightning_pfl.reporting import per_client_figure
 
@@ -23,6 +24,30 @@ OLD_CHECKPOINT = (
     "resumed from it could not reach the state of an uninterrupted one; start the run again "
     "without --ckpt_path."
 )
+
+
+@dataclass
+class PendingLoss:
+    """A trained round's losses, still where they were computed: the host reads them one round
+    later (:meth:`RunRecord.settle`), so that it prepares the next round while the device is
+    still training this one instead of waiting for it."""
+
+    round_idx: int
+    clients: Tensor  # [C] the round's clients
+    finite: Tensor  # [C] whether each client's loss is finite
+    summary: Tensor  # [2] all finite (1.0 / 0.0), the round's mean loss
+
+    def read(self) -> float:
+        """The round's mean loss; a NonFiniteLossError naming the clients if one is not finite."""
+        all_finite, loss = self.summary.tolist()
+        if not all_finite:
+            bad = self.clients[~self.finite.to(self.clients.device)].tolist()
+            raise NonFiniteLossError(
+                f"non-finite local training loss in round {self.round_idx} for clients "
+                f"{bad[:10]}; lower model.init_args.local_lr, set "
+                "model.init_args.local_max_grad_norm, or check the inputs."
+            )
+        return loss
 
 
 class RunRecord:
@@ -45,6 +70,7 @@ class RunRecord:
         stopped_by: why training stopped (``max_steps``, or ``max_time or a callback``).
         experiment: the run's experiment identity (set by the CLI, checked on resume).
         extra_results: entries callbacks add to ``results.json``.
+        pending_loss: the last trained round's losses until :meth:`settle` reads them.
     """
 
     def __init__(self, select_metric: str, last_evals: int) -> None:
@@ -62,6 +88,15 @@ class RunRecord:
         self.stopped_by: str | None = None
         self.experiment: dict[str, Any] | None = None
         self.extra_results: dict[str, Any] = {}
+        self.pending_loss: PendingLoss | None = None
+
+    def settle(self) -> tuple[int, float] | None:
+        """Read the pending round's losses (the round's one host synchronization): its
+        rounds-completed step and mean loss, or None if no round is pending. Raises
+        NonFiniteLossError for a non-finite loss, before anything saves or evaluates the
+        state that round left."""
+        pending, self.pending_loss = self.pending_loss, None
+        return None if pending is None else (pending.round_idx + 1, pending.read())
 
     @property
     def seconds_per_round(self) -> float:

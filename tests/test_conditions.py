@@ -296,10 +296,10 @@ def test_train_loss_averages_the_clients_that_reported_back() -> None:
     expected: list[float] = []
     log_at_round, run_round = method._log_at_round, method.run_round
 
-    def log(metrics: dict[str, float]) -> None:
+    def log(metrics: dict[str, float], rounds: int | None = None) -> None:
         if "train/loss" in metrics:
             logged.append(metrics["train/loss"])
-        log_at_round(metrics)
+        log_at_round(metrics, rounds)
 
     def round_losses(round_idx: int, clients: torch.Tensor) -> torch.Tensor:
         losses = run_round(round_idx, clients)

@@ -88,6 +88,47 @@ def test_vectorized_equals_sequential_with_padding_and_idle_steps() -> None:
 
 
 @pytest.mark.parametrize(("vectorize", "threads"), [(False, 1), (False, 2), (True, 1)])
+def test_training_under_a_callers_inference_mode_leaves_it(vectorize: bool, threads: int) -> None:
+    """torch 2.11's torch.func differentiates to zeros under inference mode: the engine trains
+    outside it, also from inference tensors (parameters a caller made under inference mode).
+    Fails on the previous engine under torch 2.11 (checked with its CPU build); torch 2.14's
+    torch.func leaves inference mode itself."""
+    x, y = make_data()
+    torch.manual_seed(0)
+    arch = Architecture(DigitsCNN())
+    init = {n: p.unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in arch.initial_params().items()}
+    batches = random_batches(2, 4, 12, len(y))
+    groups = [ParamGroup(tuple(init), SGDConfig(0.05, 0.9, 1e-4, 1.0))]
+    modes: list[bool] = []
+    ce = cross_entropy_loss(arch)
+
+    def loss(p, c, xb, yb, w):  # type: ignore[no-untyped-def]
+        modes.append(torch.is_inference_mode_enabled())
+        return ce(p, c, xb, yb, w)
+
+    def run(params: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+        return train_clients(
+            loss,
+            params,
+            groups,
+            batches,
+            lambda i: (x[i], y[i]),
+            vectorize=vectorize,
+            threads=threads,
+        )
+
+    expected = run(dict(init))
+    modes.clear()
+    with torch.inference_mode():
+        made_there = {n: t.clone() for n, t in init.items()}
+        result = run(made_there)
+    assert modes and not any(modes)
+    for name in init:
+        torch.testing.assert_close(result.params[name], expected.params[name], rtol=0, atol=0)
+    torch.testing.assert_close(result.loss, expected.loss, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("vectorize", "threads"), [(False, 1), (False, 2), (True, 1)])
 def test_per_client_sgd_rates_train_each_client_with_its_own_settings(
     vectorize: bool, threads: int
 ) -> None:

@@ -191,3 +191,36 @@ def test_cuda_graphs_give_the_eager_result(
 def test_cuda_graphs_are_on_by_default_on_a_gpu() -> None:
     _, _, graphs = _final_state(FedAvg, None)
     assert isinstance(graphs, RoundGraphs) and isinstance(graphs.recorder, CudaGraphRecorder)
+
+
+@needs_cuda
+@pytest.mark.parametrize("cls", [FedAvg, PFedHN])
+def test_a_recorded_round_is_queued_without_waiting_for_the_device(
+    cls: type[FederatedMethod],
+) -> None:
+    """After the first (recording) round, sampling the clients and the whole round (local
+    training, server step) queue work without a host synchronization: the host waits only
+    where it reads the previous round's loss (``run_record.PendingLoss``)."""
+    dm = digits_data(6)
+    method = build(cls, dm, clients_per_round=3)
+    strict_calls: list[str] = []
+
+    def without_syncs(name: str) -> None:
+        original = getattr(method, name)
+
+        def strict(round_idx: int, *args: Any) -> Any:
+            if round_idx == 0:
+                return original(round_idx, *args)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return original(round_idx, *args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                strict_calls.append(name)
+
+        setattr(method, name, strict)
+
+    without_syncs("sample_clients")
+    without_syncs("run_round")
+    fit(method, dm, rounds=3, accelerator="gpu")
+    assert strict_calls == ["sample_clients", "run_round"] * 2

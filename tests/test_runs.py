@@ -252,3 +252,81 @@ def test_benchmark_rounds_and_validation_interval_scale_together(tmp_path: Path)
         "--trainer.val_check_interval=1",
     ]
     assert shutil.which("git")  # benchmarks record the commit
+
+
+def test_a_rounds_loss_is_read_a_round_later_and_before_anything_uses_its_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host waits for round r's losses only once round r + 1's local training is queued
+    (so it prepares a round while the device still trains the last), and for the last
+    round's before a checkpoint, a validation or the end of fit uses the state it left."""
+    from lightning import Trainer
+
+    from lightning_pfl.methods import FedAvg
+    from lightning_pfl.run_record import PendingLoss
+    from tests.conftest import build, digits_data
+
+    dm = digits_data(6)
+    method = build(FedAvg, dm, clients_per_round=3)
+    order: list[tuple[str, int]] = []
+    run_round, read = method.run_round, PendingLoss.read
+
+    def training(round_idx: int, clients: torch.Tensor) -> torch.Tensor:
+        order.append(("train", round_idx))
+        return run_round(round_idx, clients)
+
+    def reading(pending: PendingLoss) -> float:
+        order.append(("read", pending.round_idx))
+        return read(pending)
+
+    def saving(checkpoint: dict[str, Any], save: Any = method.on_save_checkpoint) -> None:
+        save(checkpoint)
+        order.append(("save", method.global_step))
+
+    method.run_round = training  # type: ignore[method-assign]
+    method.on_save_checkpoint = saving  # type: ignore[method-assign]
+    monkeypatch.setattr(PendingLoss, "read", reading)
+    trainer = Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(method, datamodule=dm)
+    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    assert order == [
+        ("train", 0),
+        ("train", 1),
+        ("read", 0),
+        ("train", 2),
+        ("read", 1),
+        ("train", 3),
+        ("read", 2),
+        ("read", 3),  # the end of fit
+        ("save", 4),
+    ]
+    assert method.record.pending_loss is None
+
+
+def test_a_non_finite_round_is_never_saved(tmp_path: Path) -> None:
+    # checkpoints after every round and no validation: the checkpoint is what reads the loss
+    every_round = ["--checkpoint.every_n_rounds=1", "--trainer.limit_val_batches=0"]
+    cli(FEDAVG, tmp_path, "--trainer.max_steps=2", *every_round, "--test_after_fit=false")
+    ckpt = run_dir(tmp_path, FEDAVG) / "checkpoints" / "last.ckpt"
+    saved = ckpt.read_bytes()
+    diverging = ["--model.init_args.local_lr=1e12", "--model.init_args.local_max_grad_norm=null"]
+    allow = "--allow_changes=[model.init_args.local_lr,model.init_args.local_max_grad_norm]"
+    with pytest.raises(FloatingPointError, match="round 2 for clients") as stopped:
+        cli(
+            FEDAVG,
+            tmp_path,
+            "--trainer.max_steps=4",
+            *every_round,
+            "--ckpt_path=last",
+            *diverging,
+            allow,
+        )
+    assert f"The last checkpoint, {ckpt} (after round 2), is intact" in str(stopped.value)
+    assert ckpt.read_bytes() == saved

@@ -27,7 +27,7 @@ from lightning_pfl.client_state import ClientStateStore
 from lightning_pfl.conditions import Conditions, unreliable_clients
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.engine import Architecture, Params, cross_entropy_loss, derive_seed
-from lightning_pfl.errors import ConfigError, NonFiniteLossError
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.evaluation import Evaluation
 from lightning_pfl.execution import ExecutionSettings, Executor, check_threadable
 from lightning_pfl.local_training import LocalTraining
@@ -37,7 +37,7 @@ from lightning_pfl.novel_adaptation import NovelAdaptationHooks
 from lightning_pfl.participation import Participation
 from lightning_pfl.privacy import EPSILON_KEY, ClientDP, PrivacyAccountant
 from lightning_pfl.reporting import report_partition
-from lightning_pfl.run_record import RunRecord, hparams_table, log_hparams_table
+from lightning_pfl.run_record import PendingLoss, RunRecord, hparams_table, log_hparams_table
 from lightning_pfl.streams import DROPOUT_STREAM, INIT_STREAM, NOISE_STREAM, SERVER_INIT_STREAM
 from lightning_pfl.trainer_settings import precision_problem
 from lightning_pfl.validation import (
@@ -345,7 +345,11 @@ class FederatedMethod(
         return bool(self.data.val_dataloader()) and self.trainer.limit_val_batches != 0
 
     def on_validation_start(self) -> None:
+        self._settle_loss()
         self._place_state()
+
+    def on_train_end(self) -> None:
+        self._settle_loss()
 
     def on_test_start(self) -> None:
         self._place_state()
@@ -379,19 +383,26 @@ class FederatedMethod(
         else:  # a client that did not report back took no step: its loss is not a loss
             reported = self.arrived(clients, round_idx).to(losses)
             mean_loss = (losses * reported).sum() / reported.sum().clamp_min(1)
-        finite, loss = torch.stack([torch.isfinite(losses).all().float(), mean_loss]).tolist()
-        if not finite:  # the round's one host sync: the check and the logged loss together
-            bad = clients[~torch.isfinite(losses)].tolist()
-            raise NonFiniteLossError(
-                f"non-finite local training loss in round {round_idx} for clients {bad[:10]}; "
-                "lower model.init_args.local_lr, set model.init_args.local_max_grad_norm, or "
-                "check the inputs."
-            )
+        finite = torch.isfinite(losses)
+        summary = torch.stack([finite.all().float(), mean_loss.float()])
+        pending = PendingLoss(round_idx, clients, finite, summary)
+        previous = self._settle_loss()  # the device goes on with this round meanwhile
+        self.record.pending_loss = pending
         optimizer.step()
-        comm = self.record.end_round(time.perf_counter() - start)
-        self._log_at_round({"train/loss": loss, **comm})
+        self._log_at_round(self.record.end_round(time.perf_counter() - start))
         self.log("round", float(self.global_step), prog_bar=True, logger=False)
-        self.log("loss", loss, prog_bar=True, logger=False)
+        if previous is not None:
+            self.log("loss", previous, prog_bar=True, logger=False)
+
+    def _settle_loss(self) -> float | None:
+        """Check and log the pending round's loss (``RunRecord.settle``): the previous round's in
+        each round, and the last round's before any checkpoint, validation or the end of fit."""
+        settled = self.record.settle()
+        if settled is None:
+            return None
+        rounds, loss = settled
+        self._log_at_round({"train/loss": loss}, rounds)
+        return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.trainer.max_steps > 0 and self.global_step >= self.trainer.max_steps:
@@ -400,10 +411,11 @@ class FederatedMethod(
         elif self.trainer.should_stop and self.record.stopped_by is None:
             self.record.stopped_by = "max_time or a callback"
 
-    def _log_at_round(self, metrics: Mapping[str, float]) -> None:
-        """Log scalars at step = rounds completed (the step every key and figure uses)."""
+    def _log_at_round(self, metrics: Mapping[str, float], rounds: int | None = None) -> None:
+        """Log scalars at step = rounds completed (the step every key and figure uses): now,
+        or ``rounds``."""
         for logger in self.loggers:
-            logger.log_metrics(dict(metrics), step=self.global_step)
+            logger.log_metrics(dict(metrics), step=self.global_step if rounds is None else rounds)
 
     # ----------------------------------------------------------------- state and results
     @property
@@ -412,6 +424,7 @@ class FederatedMethod(
         return max(int(self.global_step), self.record.checkpoint_round)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._settle_loss()  # a non-finite round's state is never saved
         checkpoint["pfl"] = {
             "client_state": self.store.state_dict(),
             "round": int(self.global_step),
