@@ -274,6 +274,17 @@ def summarize(
     }
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict[str, Any]:
     try:
         commit = subprocess.run(
@@ -287,6 +298,10 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
+        # float rounding on a CPU follows the kernels ATen dispatches to (AVX2, AVX512, ...)
+        # and the processor: runs reproduce bit for bit only where both match
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": _cpu_model(),
         "device": torch.cuda.get_device_name()
         if torch.cuda.is_available()
         else platform.processor() or "cpu",

@@ -122,6 +122,9 @@ def test_evaluation_benchmark_compares_equal_results_of_ragged_and_padded_blocks
     assert 1.0 <= rows["ragged"]["computed_per_real"] < rows["padded"]["computed_per_real"]
     assert rows["ragged"]["computed_samples"] >= result["real_samples"]
     assert result["environment"]["commit"]
+    # what decides a CPU run's float rounding, so that a row can be reproduced bit for bit
+    assert result["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert result["environment"]["cpu_model"]
     assert "| ragged |" in capsys.readouterr().out
 
 
