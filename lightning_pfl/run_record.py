@@ -29,8 +29,8 @@ OLD_CHECKPOINT = (
 @dataclass
 class PendingLoss:
     """A trained round's losses, still where they were computed: the host reads them one round
-    later (:meth:`RunRecord.settle`), so that it prepares the next round while the device is
-    still training this one instead of waiting for it."""
+    later (:meth:`RunRecord.settle`), so that it does not wait for the device at the end of
+    every round."""
 
     round_idx: int
     clients: Tensor  # [C] the round's clients
