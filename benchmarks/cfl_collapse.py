@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.accuracy import environment
 from benchmarks.moon_collapse import one_round_a_line
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.engine import derive_seed
@@ -62,9 +62,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    started = environment()  # the code that trains, before any later checkout
     dm = FederatedDataModule(
         "digits",
         num_clients=10,
@@ -170,7 +168,7 @@ def main() -> None:
         "all_clients_from": args.all_clients_from,
         "classes": classes,
         "train_samples": [int(v) for v in counts.sum(1)],
-        "commit": commit,
+        "environment": started,
         "device": "cpu, 1 thread",
         "seconds": 0.0,
         "splits": splits,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.datamodule import Split
 from lightning_pfl.engine import Params, derive_seed
@@ -267,12 +267,6 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def git_commit() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--split", choices=["dirichlet", "pathological"], default="dirichlet")
@@ -290,11 +284,11 @@ def main() -> None:
     if args.summarize:
         result = json.loads(args.out.read_text())
         result["summary"] = summarize(result["runs"])
-        result["summary_commit"] = git_commit()
+        result["summary_environment"] = environment()
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         return
     torch.set_num_threads(1)
-    commit = git_commit()  # the code that trains, before any later checkout
+    started = environment()  # the code that trains, before any later checkout
     runs = []
     for seed in args.seeds:
         dm = FederatedDataModule(
@@ -343,7 +337,7 @@ def main() -> None:
         "what": f"FedPer on digits {args.split} (configs/digits/fedper.yaml, the accuracy "
         "benchmark's rows), per client at the best-validation round, for K_P = "
         "personal_layers and local work lr:steps",
-        "commit": commit,
+        "environment": started,
         "split": args.split,
         "device": "cpu, 1 thread",
         "rounds": args.rounds,

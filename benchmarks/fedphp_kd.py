@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.datamodule import Split
 from lightning_pfl.engine import Params, derive_seed
@@ -160,10 +160,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # the code that trains, before any later checkout
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    started = environment()  # the code that trains, before any later checkout
     runs = []
     for seed in args.seeds:
         dm = FederatedDataModule(
@@ -194,7 +191,7 @@ def main() -> None:
         "what": "FedPHP on digits Dirichlet(0.3) (configs/digits/fedphp.yaml, the accuracy "
         "benchmark's rows): the HPMs at every evaluation round, per distillation:lambda:T; "
         "summary: means over seeds at the best-validation round",
-        "commit": commit,
+        "environment": started,
         "device": "cpu, 1 thread",
         "rounds": args.rounds,
         "eval_every": args.eval_every,

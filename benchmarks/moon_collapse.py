@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from collections.abc import Callable
 from functools import partial
@@ -45,6 +44,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp
 
+from benchmarks.accuracy import environment
 from lightning_pfl import FederatedDataModule
 from lightning_pfl.engine import Params, TrainResult, derive_seed, weighted_cross_entropy
 from lightning_pfl.methods.moon import MOON, OUT, PROJ
@@ -117,9 +117,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    started = environment()  # the code that trains, before any later checkout
     partition = (
         ClassesPerClient(2) if args.split == "pathological" else Dirichlet(0.3, min_samples=20)
     )
@@ -215,7 +213,7 @@ def main() -> None:
         "local_lr": args.local_lr,
         "local_momentum": args.local_momentum,
         "local_weight_decay": args.local_weight_decay,
-        "commit": commit,
+        "environment": started,
         "device": "cpu, 1 thread",
         "seconds": 0.0,
         "round_0": before,
