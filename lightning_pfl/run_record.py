@@ -41,7 +41,7 @@ class PendingLoss:
         """The round's mean loss; a NonFiniteLossError naming the clients if one is not finite."""
         all_finite, loss = self.summary.tolist()
         if not all_finite:
-            bad = self.clients[~self.finite.to(self.clients.device)].tolist()
+            bad = self.clients[~self.finite].tolist()
             raise NonFiniteLossError(
                 f"non-finite local training loss in round {self.round_idx} for clients "
                 f"{bad[:10]}; lower model.init_args.local_lr, set "
