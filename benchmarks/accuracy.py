@@ -29,6 +29,10 @@ Settings (``--setting``), each a folder of configs, one per method:
 - ``fashion_mnist_pfedkt_table1``: ``configs/fashion_mnist_pfedkt_table1/*.yaml``, pFedKT's
   Table 1 protocol in full (50 clients, E = 10, 5 clients per round, 500 rounds) on FashionMNIST
   for pFedKT, Local and FedAvg (``configs/papers/pfedkt.yaml``).
+- ``fashion_mnist_novel``: ``configs/fashion_mnist_novel/*.yaml``, pFedHN's novel-client
+  protocol (section 5.3) reduced for a CPU: 90 training clients drawing Dir(0.1) class
+  proportions and 10 novel ones, one split per novel alpha (``novel_alpha_0.1``, ``_0.25``,
+  ``_0.5``, ``_1.0``); rows carry the ``NovelClients`` entry (``novel_clients``).
 - ``fashion_mnist_mlp_5000rounds``: ``configs/fashion_mnist_mlp_5000rounds/*.yaml``, pFedHN's
   100-client MNIST protocol in full (5,000 rounds) on FashionMNIST with the hypernetwork
   parametrizations compared in docs/results.md.
@@ -124,7 +128,14 @@ SETTINGS: dict[str, tuple[str, dict[str, list[str]]]] = {
     # the digits setting's pathological split with unreliable clients (docs/conditions.md)
     "conditions": ("conditions", {"pathological": []}),
     "fashion_mnist_hn_update": ("fashion_mnist_hn_update", {"pathological": []}),
-    "fashion_mnist_novel": ("fashion_mnist_novel", {"dirichlet": []}),
+    # pFedHN section 5.3: the four novel-client concentrations, the training clients' alpha 0.1
+    "fashion_mnist_novel": (
+        "fashion_mnist_novel",
+        {
+            f"novel_alpha_{alpha}": [f"--data.init_args.partition.init_args.novel_alpha={alpha}"]
+            for alpha in ("0.1", "0.25", "0.5", "1.0")
+        },
+    ),
     "fashion_mnist_pfedhn_table1": ("fashion_mnist_pfedhn_table1", {"pathological": []}),
     "fashion_mnist_pfedkt_table1": ("fashion_mnist_pfedkt_table1", {"pathological": []}),
     "fashion_mnist_mlp_5000rounds": ("fashion_mnist_mlp_5000rounds", {"pathological": []}),

@@ -352,21 +352,20 @@ def gap_vs_distance_figure(series: Mapping[str, tuple[Sequence[float], Sequence[
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Draw Figure 2 from runs' ``results.json`` (one series per file, labelled by method and
-    file)."""
+    """Draw Figure 2 from runs' ``results.json``: one series per method, pooling the novel
+    clients of all its files (as the paper's figure pools its four novel alphas)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("output", type=Path, help="the image to write (e.g. figure2.png)")
     parser.add_argument("results", type=Path, nargs="+", help="results.json of NovelClients runs")
     args = parser.parse_args(argv)
-    series = {}
+    series: dict[str, tuple[list[float], list[float]]] = {}
     for path in args.results:
         result = json.loads(path.read_text())
         rows = result["novel_clients"]["clients"]
         method = str(result.get("config", {}).get("model", {}).get("class_path", "")).split(".")[-1]
-        series[f"{method} {path.parent.name}"] = (
-            [c["tv_distance"] for c in rows],
-            [c["gap"] for c in rows],
-        )
+        distances, gaps = series.setdefault(method or path.parent.name, ([], []))
+        distances += [c["tv_distance"] for c in rows]
+        gaps += [c["gap"] for c in rows]
     gap_vs_distance_figure(series).savefig(args.output, dpi=150)
 
 

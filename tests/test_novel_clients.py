@@ -466,3 +466,29 @@ def test_figure2_is_drawn_from_results_files(tmp_path: Path) -> None:
     assert (tmp_path / "figure2.png").stat().st_size > 0
     figure = gap_vs_distance_figure({"a": ([0.1], [0.0])})
     assert figure.axes[0].get_ylabel().startswith("acc(novel)")
+
+
+def test_figure2_pools_the_runs_of_one_method(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of one method (e.g. its four novel alphas) in CLI run folders, all named
+    version_0, give one series holding every run's novel clients; none is dropped."""
+    drawn: dict[str, Any] = {}
+
+    def figure(series: dict[str, Any]) -> Any:
+        drawn.update(series)
+        return gap_vs_distance_figure(series)
+
+    monkeypatch.setattr("lightning_pfl.novel.gap_vs_distance_figure", figure)
+    paths = []
+    for method, alpha in [("PFedHN", 0.1), ("PFedHN", 1.0), ("FedAvg", 0.1)]:
+        path = tmp_path / f"{method}_{alpha}" / "version_0" / "results.json"
+        path.parent.mkdir(parents=True)
+        rows = [{"tv_distance": alpha / 2, "gap": -alpha}, {"tv_distance": alpha, "gap": 0.0}]
+        config = {"model": {"class_path": f"lightning_pfl.{method}"}}
+        path.write_text(json.dumps({"novel_clients": {"clients": rows}, "config": config}))
+        paths.append(str(path))
+    main([str(tmp_path / "figure2.png"), *paths])
+    assert sorted(drawn) == ["FedAvg", "PFedHN"]
+    assert drawn["PFedHN"] == ([0.05, 0.1, 0.5, 1.0], [-0.1, 0.0, -1.0, 0.0])
+    assert drawn["FedAvg"] == ([0.05, 0.1], [-0.1, 0.0])
