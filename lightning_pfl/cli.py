@@ -251,16 +251,16 @@ class PFLCLI(LightningCLI):
         return parsed
 
     def _paper_record(self, config: Namespace) -> dict[str, Any] | None:
-        """The fact-table check of the last config file (``lightning_pfl.papers``), announced
-        in the run's first log line."""
-        files = config.get("config") or []
-        if not files:
-            return None
-        path = Path(str(files[-1]))
-        record = paper_record(path, flatten(self.given))
-        if record is not None:
-            rank_zero_info(describe_record(path, record))
-        return record
+        """The fact-table check (``lightning_pfl.papers``) of every config file a fact table
+        lists, whichever ``--config`` it is, against the config as given (later files and flags
+        included), announced in the run's first log lines."""
+        entries = []
+        for path in dict.fromkeys(Path(str(file)) for file in config.get("config") or []):
+            record = paper_record(path, flatten(self.given))
+            if record is not None:
+                rank_zero_info(describe_record(path, record))
+                entries += record["entries"]
+        return {"entries": entries} if entries else None
 
     # ----------------------------------------------------------------- before running
     def _prepare(self, stage: str) -> None:

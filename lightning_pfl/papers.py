@@ -22,7 +22,9 @@ File format::
 
 Keys are dotted paths into the resolved config (``model.init_args.local_lr``,
 ``data.init_args.partition.init_args.classes``, ``trainer.max_steps``); class paths compare by
-their last component, floats with a relative tolerance of 1e-9.
+their last component, floats with a relative tolerance of 1e-9. A mapping value pins the whole
+subtree under its key (``model.init_args.architectures: {value: {cnn: {net: zoo_cnn}}}``): the
+run must hold exactly those keys below it, none more, each with the paper's value.
 """
 
 from __future__ import annotations
@@ -158,7 +160,30 @@ def same_value(paper: Any, run: Any, key: str) -> bool:
         return len(paper) == len(run) and all(
             same_value(p, r, key) for p, r in zip(paper, run, strict=True)
         )
+    if isinstance(paper, Mapping) and isinstance(run, Mapping):
+        return paper.keys() == run.keys() and all(
+            same_value(paper[k], run[k], f"{key}.{k}") for k in paper
+        )
     return bool(paper == run)
+
+
+def value_at(flat_config: Mapping[str, Any], key: str) -> Any:
+    """The value of ``key`` in ``flat_config`` (dotted keys): a leaf, the nested mapping of
+    the keys below it, or ``'<absent>'``."""
+    if key in flat_config:
+        return flat_config[key]
+    prefix = key + "."
+    below = {k.removeprefix(prefix): v for k, v in flat_config.items() if k.startswith(prefix)}
+    if not below:
+        return "<absent>"
+    nested: dict[str, Any] = {}
+    for dotted, value in below.items():
+        *parents, last = dotted.split(".")
+        node = nested
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[last] = value
+    return nested
 
 
 def overrides(entry: PaperEntry, flat_config: Mapping[str, Any]) -> list[Override]:
@@ -166,7 +191,7 @@ def overrides(entry: PaperEntry, flat_config: Mapping[str, Any]) -> list[Overrid
     config lacks counts as overridden with the run's value ``'<absent>'``."""
     found = []
     for key, setting in entry.settings.items():
-        run = flat_config.get(key, "<absent>")
+        run = value_at(flat_config, key)
         if not same_value(setting.value, run, key):
             found.append(Override(key, setting.value, run, setting.source))
     return found

@@ -14,6 +14,13 @@ FACTS = load_fact_tables(ROOT / "configs")
 # Folders named after a paper: every config there reproduces one of its tables (and is listed
 # by a fact entry) or says in its name that it is reduced.
 PAPER_FOLDERS = ("pfedhn", "pfedhn_pc", "pfedkt", "fedsimsup", "mh_pfedhn", "fedtp", "baselines")
+# Folders that run a paper's own protocol on FashionMNIST (the data we have): every config there
+# is listed by a fact entry, reduced or not.
+PROTOCOL_FOLDERS = (
+    "fashion_mnist_pfedhn_table1",
+    "fashion_mnist_pfedkt_table1",
+    "fashion_mnist_mlp_5000rounds",
+)
 
 
 def entries_listing(config: Path) -> list[PaperEntry]:
@@ -83,3 +90,11 @@ def test_paper_folders_hold_paper_configs_or_say_they_are_reduced(folder: str) -
             assert "reduced" in header, f"{config}: the header must say what is reduced"
         else:
             assert entries_listing(config), f"{config}: no fact entry lists it"
+
+
+@pytest.mark.parametrize("folder", PROTOCOL_FOLDERS)
+def test_paper_protocol_folders_hold_only_configs_a_fact_entry_lists(folder: str) -> None:
+    configs = sorted((ROOT / "configs" / folder).rglob("*.yaml"))
+    assert configs, f"configs/{folder} holds no config"
+    unlisted = [config.name for config in configs if not entries_listing(config)]
+    assert not unlisted, f"configs/{folder}: no fact entry lists {unlisted}"

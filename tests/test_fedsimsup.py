@@ -1,6 +1,7 @@
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,6 +45,27 @@ def test_non_participant_update_matches_a_hand_computed_example() -> None:
     # uniform: weights (1/2, 1/2) for both, so theta_0 = 0.5*1 + 0.5*15 = 8.
     uniform = mix_non_participants(own, trained, own_labels, trained_labels, 2.0, "uniform")
     torch.testing.assert_close(uniform["w"], torch.tensor([[8.0], [9.8]]))
+
+
+def test_k_is_the_number_of_clients_per_round_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The example above run through a round of FedSimSup(self_weight=None) with 4 clients, 2 per
+    # round: clients 2 and 3 take part with theta = 10 and 20 (no epochs, so that stays their
+    # trained theta), clients 0 and 1 hold 1 and 2. K = 2 gives 5.5 and 9.8; K = 4 (the number of
+    # clients) would give a_0 = 4*3/(6+12) = 2/3, theta_0 = 4.0, and a_1 = 8/14, theta_1 = 7.57.
+    method = build_simsup(4, clients_per_round=2, supervisor_epochs=0, model_epochs=0)
+    assert method.hp.self_weight is None
+    counts = np.zeros((4, method.hp.num_classes), dtype=np.int64)
+    counts[:, :2] = [[3, 0], [1, 1], [4, 0], [0, 2]]
+    monkeypatch.setattr(method.data, "partition_counts", lambda: {"train": counts})
+    for tensor in method.store.fields["theta"].values():
+        for client, value in enumerate([1.0, 2.0, 10.0, 20.0]):
+            tensor[client] = value
+    method.run_round(0, torch.tensor([2, 3]))
+    for tensor in method.store.fields["theta"].values():
+        expected = torch.tensor([5.5, 9.8, 10.0, 20.0]).view(-1, *[1] * (tensor.dim() - 1))
+        torch.testing.assert_close(tensor, expected.expand_as(tensor).to(tensor.dtype))
 
 
 def test_a_client_sharing_no_class_with_the_participants_keeps_its_model() -> None:

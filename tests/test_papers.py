@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.experiment import flatten
 from lightning_pfl.metrics import over_evaluations
 from lightning_pfl.papers import load_fact_table, overrides, same_value
 from tests.helpers import CONF, cli, run_dir
@@ -84,6 +85,29 @@ def test_an_override_of_a_paper_setting_runs_and_is_named_first(
     assert "trainer.max_steps = 2 (paper: 4, section 4)" in first
 
 
+@pytest.mark.parametrize("paper_first", [True, False])
+def test_a_paper_config_among_several_config_files_is_checked_against_the_run(
+    paper_config: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, paper_first: bool
+) -> None:
+    # a user's own file: the paper config with fewer rounds (whole, so it can come first)
+    changed = yaml.safe_load(paper_config.read_text())
+    changed["trainer"]["max_steps"] = 2
+    changes = tmp_path / "my_changes.yaml"
+    changes.write_text(yaml.safe_dump(changed))
+    first, second = (paper_config, changes) if paper_first else (changes, paper_config)
+    with caplog.at_level(logging.INFO):
+        result = cli(first, tmp_path / "logs", f"--config={second}")
+    (entry,) = result["paper"]["entries"]
+    message = caplog.records[0].getMessage()
+    assert message.startswith(f"Paper settings of {paper_config}")
+    if paper_first:  # the later file's max_steps wins and is named
+        assert result["rounds"] == 2
+        assert [o["key"] for o in entry["overridden"]] == ["trainer.max_steps"]
+        assert "trainer.max_steps = 2 (paper: 4, section 4)" in message
+    else:  # the paper config, given last, holds over the earlier file
+        assert result["rounds"] == 4 and entry["overridden"] == []
+
+
 def test_a_config_no_fact_table_lists_has_no_paper_record(tmp_path: Path) -> None:
     assert "paper" not in cli(CONF / "fedavg.yaml", tmp_path)
 
@@ -94,6 +118,43 @@ def test_values_compare_as_documented() -> None:
     assert same_value(0.1, 0.1 * (1 + 1e-12), "k") and not same_value(0.1, 0.1001, "k")
     assert same_value(50, 50.0, "k") and not same_value(True, 1, "k")
     assert same_value([100, 100], [100, 100], "k") and not same_value([100], [100, 100], "k")
+    zoo = {"cnn": {"net": "zoo_cnn"}, "big": {"net": "resnet18"}}
+    assert same_value(zoo, {"big": {"net": "resnet18"}, "cnn": {"net": "zoo_cnn"}}, "k")
+    assert not same_value(zoo, {"cnn": {"net": "zoo_cnn"}, "big": {"net": "zoo_mlp"}}, "k")
+    assert not same_value(zoo, {"cnn": {"net": "zoo_cnn"}}, "k")
+
+
+def test_a_mapping_setting_pins_the_whole_subtree_under_its_key(tmp_path: Path) -> None:
+    zoo = {"cnn": {"net": "zoo_cnn"}, "big": {"net": "resnet18"}}
+    facts = {
+        "paper": "p",
+        "code": "c",
+        "entries": {
+            "e": {
+                "what": "w",
+                "metric": "test_at_best_val.acc",
+                "configs": ["a.yaml"],
+                "settings": {"model.init_args.architectures": {"value": zoo, "source": "the zoo"}},
+            }
+        },
+    }
+    path = tmp_path / "facts.yaml"
+    path.write_text(yaml.safe_dump(facts))
+    (entry,) = load_fact_table(path)
+
+    def run(architectures: object) -> list[object]:
+        flat = flatten({"model": {"init_args": {"architectures": architectures, "seed": 0}}})
+        return [o.run for o in overrides(entry, flat)]
+
+    assert run(zoo) == []
+    swapped = {"cnn": {"net": "zoo_cnn"}, "big": {"net": "zoo_mlp"}}
+    assert run(swapped) == [swapped]
+    extra = zoo | {"mlp": {"net": "zoo_mlp"}}
+    assert run(extra) == [extra]
+    wider = zoo | {"big": {"net": "resnet18", "net_args": {"widths": [8, 16, 32]}}}
+    assert run(wider) == [wider]
+    assert run(None) == [None]
+    assert overrides(entry, {"model.init_args.seed": 0})[0].run == "<absent>"
 
 
 def test_overrides_name_every_differing_or_missing_key(tmp_path: Path) -> None:
