@@ -248,14 +248,17 @@ def summarize(
 ) -> dict[str, Any]:
     """Mean and population std over seeds of every reported metric per grid point, and the
     best point by the mean validation ``select_metric`` at the best round."""
-    points: dict[tuple[tuple[str, Any], ...], list[dict[str, Any]]] = {}
+    # keyed by the point's JSON: grid values may be lists or dicts (FedU's adjacency)
+    points: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
     for spec, path in zip(specs, results_paths, strict=True):
         if path is None or not path.exists():
             continue
-        points.setdefault(spec.point, []).append(json.loads(path.read_text()))
+        point = dict(spec.point)
+        entry = points.setdefault(json.dumps(point, sort_keys=True), (point, []))
+        entry[1].append(json.loads(path.read_text()))
     rows = []
-    for point, results in points.items():
-        row: dict[str, Any] = {"point": dict(point), "runs": len(results)}
+    for point, results in points.values():
+        row: dict[str, Any] = {"point": point, "runs": len(results)}
         for section, key in REPORTED + (("val_at_best", select_metric),):
             values = [v for r in results if (v := _read(r, section, key)) is not None]
             if values:

@@ -99,6 +99,33 @@ def test_bad_jobs_fail_before_anything_is_written(
     assert not any(tmp_path.iterdir())
 
 
+def _write_results(tmp_path: Path, specs: list[Any], accuracies: list[float]) -> list[Path]:
+    paths = []
+    for spec, acc in zip(specs, accuracies, strict=True):
+        path = tmp_path / f"{spec.label}.json"
+        results = {"val_at_best": {"acc": acc}, "test_at_best_val": {"acc": acc}}
+        path.write_text(json.dumps(results))
+        paths.append(path)
+    return paths
+
+
+def test_a_grid_over_list_values_is_summarized_per_point(tmp_path: Path) -> None:
+    """List- and dict-valued grid values (FedU's adjacency, FedAvgFT's names) are grid points
+    like any other: the summary groups each point's seeds and writes it as JSON."""
+    graphs = [[[1.0, 0.0], [0.0, 1.0]], [[1.0, 1.0], [1.0, 1.0]]]
+    config = {**CONFIG, "model.init_args.adjacency": None}
+    specs = expand(Runs(seeds=[0, 1], grid={"model.init_args.adjacency": graphs}), config)
+    summary = summarize(specs, _write_results(tmp_path, specs, [0.5, 0.7, 0.8, 0.9]), "acc")
+    points = [(p["point"], p["runs"], p["val_at_best.acc"]["mean"]) for p in summary["points"]]
+    assert points == [
+        ({"model.init_args.adjacency": graphs[0]}, 2, pytest.approx(0.6)),
+        ({"model.init_args.adjacency": graphs[1]}, 2, pytest.approx(0.85)),
+    ]
+    assert summary["best_point"] == {"model.init_args.adjacency": graphs[1]}
+    assert json.loads(json.dumps(summary)) == summary
+    assert "adjacency=[[1.0, 1.0], [1.0, 1.0]]" in format_summary(summary, tmp_path / "job.json")
+
+
 # ----------------------------------------------------------------- what may share a computation
 def test_losses_compare_by_code_and_constants() -> None:
     def arch() -> Architecture:
