@@ -15,7 +15,7 @@ import json
 import signal
 import statistics
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,8 +37,9 @@ SEED_KEYS = {
     "training": ("model.init_args.seed",),
     "split": ("data.init_args.seed",),
 }
-# Grid keys that change tensor shapes or the round's structure: runs differing by them could
-# never share a computation, so they belong in separate jobs.
+# Settings (or whole sections) that change tensor shapes, the data or the round's structure: runs
+# differing by one could never share a computation, so they belong in separate jobs. Of the
+# data, only the split's seed may vary within a job.
 SHAPE_KEYS = (
     "model.class_path",
     "model.init_args.net",
@@ -48,9 +49,10 @@ SHAPE_KEYS = (
     "model.init_args.local_steps",
     "model.init_args.local_epochs",
     "model.init_args.novel_clients",
-    "data.",
-    "trainer.",
+    "data",
+    "trainer",
 )
+SHARED_DATA_KEYS = SEED_KEYS["split"]
 REPORTED = (
     *dict.fromkeys(
         (entry.section, key)
@@ -106,6 +108,61 @@ def _value_label(value: Any) -> str:
     return "".join(c if c.isalnum() or c in ".-" else "_" for c in text)
 
 
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def _is_section(key: str, config: dict[str, Any]) -> bool:
+    """Whether ``key`` names a section of the parser (``model``, ``model.init_args``), not one
+    dict-valued setting (``model.init_args.net_args``): sections hold a class or are top-level."""
+    owner = key.removesuffix(".init_args")
+    return "." not in key or f"{owner}.class_path" in config
+
+
+def _settings(key: str, value: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The config settings a grid value sets: a section's dict (``model.init_args: {local_lr:
+    0.01}``) is split into the settings under it; a setting's value (a dict-valued one too,
+    e.g. ``net_args``) is its own."""
+    if key in config or not isinstance(value, Mapping) or not _is_section(key, config):
+        return {key: value}
+    settings: dict[str, Any] = {}
+    for name, inner in value.items():
+        settings |= _settings(f"{key}.{name}", inner, config)
+    return settings
+
+
+def _check_setting(key: str, setting: str, value: Any, config: dict[str, Any], runs: Runs) -> None:
+    """Refuse a grid value's ``setting`` (``key`` itself or a setting under the section ``key``)
+    that no config has, that the seeds set or that runs could not share a computation over."""
+    given = f"'{key}'" if setting == key else f"'{key}' (its value sets '{setting}')"
+    known = setting in config or any(k.startswith(setting + ".") for k in config)
+    if known and setting not in config and _is_section(setting, config):
+        example = next(k for k in config if k.startswith(setting + "."))
+        raise ConfigError(
+            f"runs.grid over {given}: '{setting}' is a section of the config, so its values "
+            f"must be dicts of its settings ({value!r} is not); better, give each setting its "
+            f"own key, e.g. {example}."
+        )
+    if not known:
+        near = [k for k in config if k.rsplit(".", 1)[-1] == setting.rsplit(".", 1)[-1]]
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise ConfigError(
+            f"runs.grid over {given}: unknown config key '{setting}'{hint}; give keys as "
+            "--print_config nests them, e.g. model.init_args.local_lr."
+        )
+    if setting in (SEED_KEYS[runs.vary] if runs.seeds is not None else ()):
+        raise ConfigError(
+            f"runs.grid over {given} sets '{setting}', which runs.seeds (vary: {runs.vary}) "
+            "sets already; give the seeds in one place."
+        )
+    if setting not in SHARED_DATA_KEYS and any(_under(setting, s) for s in SHAPE_KEYS):
+        raise ConfigError(
+            f"runs.grid over {given}: runs that differ by '{setting}' change tensor shapes, the "
+            "data or the round's structure and could not share a computation; run each value "
+            "as its own job (or its own config)."
+        )
+
+
 def expand(runs: Runs, config: dict[str, Any]) -> list[RunSpec]:
     """The runs of ``runs`` over the flattened resolved ``config``; bad requests are refused
     with one paragraph each (nothing has been written yet)."""
@@ -115,29 +172,17 @@ def expand(runs: Runs, config: dict[str, Any]) -> list[RunSpec]:
         if len(set(runs.seeds)) != len(runs.seeds):
             raise ConfigError(f"runs.seeds = {runs.seeds} repeats a seed: each run must differ.")
     seed_keys = SEED_KEYS[runs.vary] if runs.seeds is not None else ()
+    settings: dict[tuple[str, str], dict[str, Any]] = {}  # (key, value's JSON) -> settings
     for key, values in runs.grid.items():
         if key not in config and not any(k.startswith(key + ".") for k in config):
-            near = [k for k in config if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
-            hint = f" (did you mean {', '.join(near)}?)" if near else ""
-            raise ConfigError(
-                f"runs.grid: unknown config key '{key}'{hint}; give keys as --print_config "
-                "nests them, e.g. model.init_args.local_lr."
-            )
-        if key in seed_keys:
-            raise ConfigError(
-                f"runs.grid sets '{key}', which runs.seeds (vary: {runs.vary}) sets already; "
-                "give the seeds in one place."
-            )
-        if any(key == s or key.startswith(s) for s in SHAPE_KEYS if s != "data.") or (
-            key.startswith("data.") and key not in SEED_KEYS["split"]
-        ):
-            raise ConfigError(
-                f"runs.grid over '{key}': runs that differ by it change tensor shapes, the data "
-                "or the round's structure and could not share a computation; run each value as "
-                "its own job (or its own config)."
-            )
+            _check_setting(key, key, None, config, runs)  # unknown: refused by its own name
         if not isinstance(values, list) or not values:
             raise ConfigError(f"runs.grid.{key} must be a non-empty list of values.")
+        for value in values:
+            sets = _settings(key, value, config)
+            for setting, inner in sets.items():
+                _check_setting(key, setting, inner, config, runs)
+            settings[key, json.dumps(value, sort_keys=True)] = sets
         labels = [json.dumps(v, sort_keys=True) for v in values]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"runs.grid.{key} = {values} repeats a value: each run must differ.")
@@ -145,13 +190,19 @@ def expand(runs: Runs, config: dict[str, Any]) -> list[RunSpec]:
     specs = []
     for combination in itertools.product(*(runs.grid[k] for k in keys)):
         point = tuple(zip(keys, combination, strict=True))
+        overrides: dict[str, Any] = {}
+        parts = []
+        for key, value in point:
+            sets = settings[key, json.dumps(value, sort_keys=True)]
+            overrides |= sets
+            if sets.keys() == {key} or not sets:
+                parts.append(f"{key.rsplit('.', 1)[-1]}_{_value_label(value)}")
+            else:  # a section's dict: named by the settings it sets
+                parts += [f"{s.rsplit('.', 1)[-1]}_{_value_label(v)}" for s, v in sets.items()]
         for seed in runs.seeds if runs.seeds is not None else [None]:
-            overrides = dict(point)
-            if seed is not None:
-                overrides |= {k: seed for k in seed_keys}
-            parts = [f"{k.rsplit('.', 1)[-1]}_{_value_label(v)}" for k, v in point]
-            parts += [f"seed_{seed}"] if seed is not None else []
-            specs.append(RunSpec("-".join(parts), point, seed, overrides))
+            seeded = overrides | ({k: seed for k in seed_keys} if seed is not None else {})
+            label = "-".join(parts + ([f"seed_{seed}"] if seed is not None else []))
+            specs.append(RunSpec(label, point, seed, seeded))
     return specs
 
 

@@ -33,6 +33,7 @@ from tests.helpers import CONF
 ROOT = Path(__file__).parents[1]
 FEDAVG = CONF / "fedavg.yaml"
 CONFIG = {
+    "model.class_path": "FedAvg",
     "model.init_args.seed": 0,
     "model.init_args.local_lr": 0.05,
     "model.init_args.net_args": None,
@@ -62,6 +63,21 @@ def test_seeds_and_grid_expand_to_every_combination_with_its_values() -> None:
     assert training == {"model.init_args.seed": 3} and split == {"data.init_args.seed": 3}
 
 
+def test_a_grid_over_a_section_sets_the_settings_in_its_dicts() -> None:
+    grid = {"model.init_args": [{"local_lr": 0.01}, {"local_lr": 0.05, "seed": 3}]}
+    specs = expand(Runs(grid=grid), CONFIG)
+    assert [s.label for s in specs] == ["local_lr_0.01", "local_lr_0.05-seed_3"]
+    assert [s.overrides for s in specs] == [
+        {"model.init_args.local_lr": 0.01},
+        {"model.init_args.local_lr": 0.05, "model.init_args.seed": 3},
+    ]
+    assert specs[0].point == (("model.init_args", {"local_lr": 0.01}),)
+    # a dict-valued setting is one value, not a section
+    config = {**CONFIG, "model.init_args.adapter.width": 4}
+    adapter = expand(Runs(grid={"model.init_args.adapter": [{"width": 8}]}), config)[0]
+    assert adapter.overrides == {"model.init_args.adapter": {"width": 8}}
+
+
 @pytest.mark.parametrize(
     ("runs", "message"),
     [
@@ -75,6 +91,17 @@ def test_seeds_and_grid_expand_to_every_combination_with_its_values() -> None:
         (Runs(grid={"data.init_args.num_clients": [4, 8]}), "change tensor shapes"),
         (Runs(grid={"trainer.max_steps": [4, 8]}), "its own job"),
         (Runs(seeds=[0, 1], grid={"model.init_args.seed": [2, 3]}), "give the seeds in one"),
+        # a section's dicts: each setting they set is checked as if given as its own key
+        (
+            Runs(grid={"model.init_args": [{"local_lr": 0.01}, {"net_args": {"width": 8}}]}),
+            r"'model.init_args' \(its value sets 'model.init_args.net_args'\): runs that differ "
+            "by 'model.init_args.net_args' change tensor shapes",
+        ),
+        (Runs(grid={"model": [{"class_path": "FedProx"}]}), "'model.class_path' change tensor"),
+        (Runs(grid={"model.init_args": [{"local_rate": 0.1}]}), "unknown config key"),
+        (Runs(seeds=[0], grid={"model.init_args": [{"seed": 2}]}), "give the seeds in one"),
+        (Runs(grid={"model": [1]}), "'model' is a section of the config, so its values must"),
+        (Runs(grid={"data": [{"init_args": {"num_clients": 8}}]}), "change tensor shapes"),
     ],
 )
 def test_bad_requests_are_refused_with_one_paragraph(runs: Runs, message: str) -> None:
@@ -88,6 +115,10 @@ def test_bad_requests_are_refused_with_one_paragraph(runs: Runs, message: str) -
         (["--runs.seeds=[]"], "runs.seeds is empty"),
         (['--runs.grid={"model.init_args.nope": [1, 2]}'], "unknown config key"),
         (["--runs.seeds=[0, 1]", "--trainer.devices=2"], "trainer.devices 1"),
+        (
+            ['--runs.grid={"model.init_args": [{"local_lr": 0.01}, {"net_args": {"width": 8}}]}'],
+            "'model.init_args.net_args' change tensor shapes",
+        ),
     ],
 )
 def test_bad_jobs_fail_before_anything_is_written(
