@@ -163,6 +163,75 @@ def _check_setting(key: str, setting: str, value: Any, config: dict[str, Any], r
         )
 
 
+def _canonical(value: Any) -> str:
+    """``value`` as JSON with numbers in one form (``1`` == ``1.0``): equal values, equal text."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, Mapping):
+            return {k: plain(x) for k, x in v.items()}
+        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    return json.dumps(plain(value), sort_keys=True)
+
+
+def _grid_settings(runs: Runs, config: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The settings each value of each grid key sets, every one checked."""
+    grid: dict[str, list[dict[str, Any]]] = {}
+    for key, values in runs.grid.items():
+        if key not in config and not any(k.startswith(key + ".") for k in config):
+            _check_setting(key, key, None, config, runs)  # unknown: refused by its own name
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"runs.grid.{key} must be a non-empty list of values.")
+        grid[key] = [_settings(key, value, config) for value in values]
+        for sets in grid[key]:
+            for setting, inner in sets.items():
+                _check_setting(key, setting, inner, config, runs)
+        seen: dict[str, int] = {}
+        for index, value in enumerate(values):
+            if (first := seen.setdefault(_canonical(value), index)) != index:
+                first_value = values[first]
+                equal = (
+                    f" ({first_value!r} == {value!r})" if repr(first_value) != repr(value) else ""
+                )
+                raise ConfigError(
+                    f"runs.grid.{key} = {values} repeats a value{equal}: each run must differ."
+                )
+    for (key, per_value), (other, other_per_value) in itertools.combinations(grid.items(), 2):
+        for setting, other_setting in itertools.product(
+            {s for d in per_value for s in d}, {s for d in other_per_value for s in d}
+        ):
+            if _under(setting, other_setting) or _under(other_setting, setting):
+                both = max(setting, other_setting, key=len)
+                raise ConfigError(
+                    f"runs.grid keys '{key}' and '{other}' both set '{both}': a run would take "
+                    "one key's value and drop the other's; give each setting in one key."
+                )
+    return grid
+
+
+def _check_distinct(specs: list[RunSpec], config: dict[str, Any]) -> None:
+    """Refuse two runs that would be the same run, or write the same folder."""
+    settings = sorted({s for spec in specs for s in spec.overrides})
+    runs: dict[str, RunSpec] = {}
+    folders: dict[str, RunSpec] = {}
+    for spec in specs:
+        values = {s: spec.overrides.get(s, config.get(s)) for s in settings}
+        if (same := runs.setdefault(_canonical(values), spec)) is not spec:
+            raise ConfigError(
+                f"runs.grid gives two runs with the same settings ({same.label} and "
+                f"{spec.label}: {dict(spec.point)} sets what {dict(same.point)} sets, the "
+                "config's own values included); each run must differ: drop one of them."
+            )
+        if (other := folders.setdefault(spec.label, spec)) is not spec:
+            raise ConfigError(
+                f"runs.grid: the runs {dict(other.point)} and {dict(spec.point)} would share "
+                f"the folder '{spec.label}' (run folders keep letters, digits, '.' and '-' of "
+                "a value and write '_' for the rest); give values that differ in those."
+            )
+
+
 def expand(runs: Runs, config: dict[str, Any]) -> list[RunSpec]:
     """The runs of ``runs`` over the flattened resolved ``config``; bad requests are refused
     with one paragraph each (nothing has been written yet)."""
@@ -172,28 +241,15 @@ def expand(runs: Runs, config: dict[str, Any]) -> list[RunSpec]:
         if len(set(runs.seeds)) != len(runs.seeds):
             raise ConfigError(f"runs.seeds = {runs.seeds} repeats a seed: each run must differ.")
     seed_keys = SEED_KEYS[runs.vary] if runs.seeds is not None else ()
-    settings: dict[tuple[str, str], dict[str, Any]] = {}  # (key, value's JSON) -> settings
-    for key, values in runs.grid.items():
-        if key not in config and not any(k.startswith(key + ".") for k in config):
-            _check_setting(key, key, None, config, runs)  # unknown: refused by its own name
-        if not isinstance(values, list) or not values:
-            raise ConfigError(f"runs.grid.{key} must be a non-empty list of values.")
-        for value in values:
-            sets = _settings(key, value, config)
-            for setting, inner in sets.items():
-                _check_setting(key, setting, inner, config, runs)
-            settings[key, json.dumps(value, sort_keys=True)] = sets
-        labels = [json.dumps(v, sort_keys=True) for v in values]
-        if len(set(labels)) != len(labels):
-            raise ConfigError(f"runs.grid.{key} = {values} repeats a value: each run must differ.")
-    keys = list(runs.grid)
+    grid = _grid_settings(runs, config)
+    keys = list(grid)
     specs = []
-    for combination in itertools.product(*(runs.grid[k] for k in keys)):
-        point = tuple(zip(keys, combination, strict=True))
+    for indices in itertools.product(*(range(len(grid[k])) for k in keys)):
+        point = tuple((k, runs.grid[k][i]) for k, i in zip(keys, indices, strict=True))
         overrides: dict[str, Any] = {}
         parts = []
-        for key, value in point:
-            sets = settings[key, json.dumps(value, sort_keys=True)]
+        for (key, value), index in zip(point, indices, strict=True):
+            sets = grid[key][index]
             overrides |= sets
             if sets.keys() == {key} or not sets:
                 parts.append(f"{key.rsplit('.', 1)[-1]}_{_value_label(value)}")
@@ -203,6 +259,7 @@ def expand(runs: Runs, config: dict[str, Any]) -> list[RunSpec]:
             seeded = overrides | ({k: seed for k in seed_keys} if seed is not None else {})
             label = "-".join(parts + ([f"seed_{seed}"] if seed is not None else []))
             specs.append(RunSpec(label, point, seed, seeded))
+    _check_distinct(specs, config)
     return specs
 
 

@@ -37,6 +37,7 @@ CONFIG = {
     "model.init_args.seed": 0,
     "model.init_args.local_lr": 0.05,
     "model.init_args.net_args": None,
+    "model.init_args.names": None,
     "data.init_args.seed": 0,
     "data.init_args.num_clients": 4,
     "trainer.max_steps": 4,
@@ -102,6 +103,21 @@ def test_a_grid_over_a_section_sets_the_settings_in_its_dicts() -> None:
         (Runs(seeds=[0], grid={"model.init_args": [{"seed": 2}]}), "give the seeds in one"),
         (Runs(grid={"model": [1]}), "'model' is a section of the config, so its values must"),
         (Runs(grid={"data": [{"init_args": {"num_clients": 8}}]}), "change tensor shapes"),
+        # runs that would be one run, or share a folder
+        (Runs(grid={"model.init_args.local_lr": [1, 1.0]}), r"repeats a value \(1 == 1.0\)"),
+        (Runs(grid={"model.init_args.seed": [0, 0.0]}), "repeats a value"),
+        (
+            Runs(grid={"model.init_args.local_lr": [0.1], "model.init_args": [{"local_lr": 0.2}]}),
+            "'model.init_args.local_lr' and 'model.init_args' both set 'model.init_args.local_lr'",
+        ),
+        (
+            Runs(grid={"model.init_args": [{"local_lr": 0.1}, {"local_lr": 0.1, "seed": 0}]}),
+            "two runs with the same settings",  # seed 0 is the config's
+        ),
+        (
+            Runs(grid={"model.init_args.names": [["fc weight"], ["fc_weight"]]}),
+            "would share the folder 'names___fc_weight__'",
+        ),
     ],
 )
 def test_bad_requests_are_refused_with_one_paragraph(runs: Runs, message: str) -> None:
@@ -119,6 +135,7 @@ def test_bad_requests_are_refused_with_one_paragraph(runs: Runs, message: str) -
             ['--runs.grid={"model.init_args": [{"local_lr": 0.01}, {"net_args": {"width": 8}}]}'],
             "'model.init_args.net_args' change tensor shapes",
         ),
+        (['--runs.grid={"model.init_args.local_lr": [1, 1.0]}'], "repeats a value"),
     ],
 )
 def test_bad_jobs_fail_before_anything_is_written(
