@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_pfl.console import closing_entries
 from lightning_pfl.datasets.registry import shared_loads
 from lightning_pfl.errors import ConfigError, RunInterrupted
+from lightning_pfl.experiment import flatten
 from lightning_pfl.lockstep import Lockstep, LockstepExecutor, get_rng
 
 if TYPE_CHECKING:
@@ -80,13 +81,17 @@ class Runs:
             training's ``model.init_args.seed``), ``training`` (same split, different
             initialization, sampling and batches) or ``split`` (different splits, the same
             training seed).
-        grid: config keys (dotted, as ``--print_config`` nests them) and the values to run,
-            e.g. ``{"model.init_args.local_lr": [0.01, 0.05]}``; every combination is a run.
+        grid: config keys (dotted, as ``--print_config`` nests them) and the values to run;
+            every combination is a run. On the command line one JSON dict,
+            ``--runs.grid='{"model.init_args.local_lr": [0.01, 0.05]}'``; in a config file
+            ``runs: {grid: {model.init_args.local_lr: [0.01, 0.05]}}``.
     """
 
     seeds: list[int] | None = None
     vary: Literal["both", "training", "split"] = "both"
-    grid: dict[str, list[Any]] = field(default_factory=dict)
+    # values typed Any, not list: the flag form --runs.grid.<dotted key> parses to a nested
+    # dict, which expand refuses with the form that works
+    grid: dict[str, Any] = field(default_factory=dict)
 
     @property
     def requested(self) -> bool:
@@ -182,6 +187,15 @@ def _grid_settings(runs: Runs, config: dict[str, Any]) -> dict[str, list[dict[st
     for key, values in runs.grid.items():
         if key not in config and not any(k.startswith(key + ".") for k in config):
             _check_setting(key, key, None, config, runs)  # unknown: refused by its own name
+        if isinstance(values, Mapping):
+            example = json.dumps(flatten(values, key + "."))
+            raise ConfigError(
+                f"runs.grid.{key} = {values}: a grid key names a whole dotted setting, and a "
+                "flag --runs.grid.<dotted key> cannot give one (the parser splits the key at its "
+                "first dot, and a second such flag would replace the first); give the grid as "
+                f"one JSON dict, --runs.grid='{example}', or in a config file as "
+                "runs: {grid: {<dotted key>: [values]}}."
+            )
         if not isinstance(values, list) or not values:
             raise ConfigError(f"runs.grid.{key} must be a non-empty list of values.")
         grid[key] = [_settings(key, value, config) for value in values]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,6 +137,11 @@ def test_bad_requests_are_refused_with_one_paragraph(runs: Runs, message: str) -
             "'model.init_args.net_args' change tensor shapes",
         ),
         (['--runs.grid={"model.init_args.local_lr": [1, 1.0]}'], "repeats a value"),
+        # the flag form of one key: refused with the form that works
+        (
+            ["--runs.grid.model.init_args.local_lr", "[0.01,0.05]"],
+            re.escape("""--runs.grid='{"model.init_args.local_lr": [0.01, 0.05]}'"""),
+        ),
     ],
 )
 def test_bad_jobs_fail_before_anything_is_written(
