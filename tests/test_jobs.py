@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 
 import lightning_pfl.methods as methods
@@ -386,6 +387,43 @@ def test_a_job_writes_each_runs_folder_as_alone_and_a_summary(tmp_path: Path) ->
         assert _partition(together) == _partition(alone_dir)
     seeds = [folder / f"local_lr_0.01-seed_{s}" / "version_0" for s in (0, 1)]
     assert _partition(seeds[0]) != _partition(seeds[1])
+
+
+def test_each_run_of_an_lr_grid_takes_the_sgd_step_of_its_own_lr(tmp_path: Path) -> None:
+    """Three runs that differ only by local_lr, one round of one client's one full-batch step,
+    trained as one computation: each run's global model is w - lr * grad, with w the model
+    the config builds and grad the client's mean cross-entropy gradient by autograd."""
+    lrs = [0.01, 0.1, 0.5]
+    common = [
+        "fit",
+        f"--config={FEDAVG}",
+        "--model.init_args.net=mlp",
+        "--model.init_args.net_args={hidden: 4}",
+        "--model.init_args.clients_per_round=1",
+        "--model.init_args.local_steps=1",
+        "--model.init_args.batch_size=100000",  # the client's whole training set
+        "--trainer.max_steps=1",
+        "--trainer.val_check_interval=1",
+        "--test_after_fit=false",
+        "--model.init_args.log_figures=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+    ]
+    job = run([*common, f'--runs.grid={{"model.init_args.local_lr": {lrs}}}']).job
+    assert job is not None and job.lockstep.groups_trained == 1 < job.lockstep.submissions
+    start = run([*common, "--model.init_args.local_lr=0.3"], run_subcommand=False)
+    assert isinstance(start.model, FederatedMethod)
+    start.datamodule.setup("fit")
+    (client,) = start.model.sample_clients(0).tolist()
+    index = start.datamodule.index["train"]
+    first, count = int(index.offsets[client]), int(index.counts[client])
+    x, y = start.datamodule.fetch(index.flat[first : first + count])
+    net = start.model.net
+    grads = torch.autograd.grad(F.cross_entropy(net(x), y), list(net.parameters()))
+    for cli, lr in zip(job.members, lrs, strict=True):
+        trained = dict(cli.model.net.named_parameters())
+        for (name, w), g in zip(net.named_parameters(), grads, strict=True):
+            torch.testing.assert_close(trained[name], w - lr * g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 JOB = [
