@@ -36,7 +36,8 @@ one untimed warm-up run, with peak device memory of one run alone and of the job
 row says ``one_after_another_timed_runs``),
 on ``--job-configs`` (default: the digits protocol; add
 ``configs/fashion_mnist_pfedhn_table1/pfedhn.yaml`` with ``--job-root`` for FashionMNIST), and
-reports run-rounds per second of both and their ratio.
+reports run-rounds per second of both and their ratio, with the machine's 1-minute load average
+before each side and after the job (other work on shared cores slows either side).
 
 ``--e2e`` adds the end-to-end time per round of ``lightning-pfl fit`` itself (Lightning's loop,
 logging and the per-round checks included, validation excluded) for pFedHN with one client per
@@ -57,6 +58,7 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -423,6 +425,8 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
         if cuda:  # the CUDA context and kernels' first loads count against neither side
             run([*common, f"--trainer.logger.init_args.save_dir={logs}/warm_up"])
             torch.cuda.reset_peak_memory_stats()
+        # the machine's 1-minute load average around each side: other work on shared cores
+        load = {"before_one_after_another": os.getloadavg()[0]}
         start = time.perf_counter()
         clocks = []
         for seed, lr in timed_alone:
@@ -445,6 +449,7 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         grid = [f'--runs.grid={{"model.init_args.local_lr": {lrs}}}'] if args.job_lrs else []
+        load["before_job"] = os.getloadavg()[0]
         start = time.perf_counter()
         cli = run(
             [
@@ -455,6 +460,7 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
             ]
         )
         together = time.perf_counter() - start
+        load["after_job"] = os.getloadavg()[0]
     assert cli.job is not None
     lockstep = cli.job.lockstep
     runs = len(seeds) * len(lrs)
@@ -483,6 +489,7 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
             alone_round * runs / job_round if job_round else None
         ),
         "torch_threads": torch.get_num_threads(),
+        "load_average_1min": load,
         "jobs_handed_in": lockstep.submissions,
         "computations": lockstep.groups_trained,
         "trained_apart_because": sorted(lockstep.apart_reasons),
@@ -496,7 +503,8 @@ def job_speed(args: argparse.Namespace, config: str) -> dict[str, Any]:
         f"{alone:.1f} s, as one job {together:.1f} s: {row['throughput_ratio']:.2f}x; "
         f"rounds after the first: {1e3 * alone_round:.1f} ms a run alone, "
         f"{1e3 * (job_round or float('nan')):.1f} ms a job round: "
-        f"{row['throughput_ratio_after_the_first_round'] or float('nan'):.2f}x",
+        f"{row['throughput_ratio_after_the_first_round'] or float('nan'):.2f}x; load average "
+        + ", ".join(f"{k} {v:.2f}" for k, v in load.items()),
         flush=True,
     )
     return row

@@ -15,7 +15,7 @@ import json
 import signal
 import statistics
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_pfl.console import closing_entries
 from lightning_pfl.datasets.registry import shared_loads
 from lightning_pfl.errors import ConfigError, RunInterrupted
+from lightning_pfl.experiment import flatten
 from lightning_pfl.lockstep import Lockstep, LockstepExecutor, get_rng
 
 if TYPE_CHECKING:
@@ -37,8 +38,9 @@ SEED_KEYS = {
     "training": ("model.init_args.seed",),
     "split": ("data.init_args.seed",),
 }
-# Grid keys that change tensor shapes or the round's structure: runs differing by them could
-# never share a computation, so they belong in separate jobs.
+# Settings (or whole sections) that change tensor shapes, the data or the round's structure: runs
+# differing by one could never share a computation, so they belong in separate jobs. Of the
+# data, only the split's seed may vary within a job.
 SHAPE_KEYS = (
     "model.class_path",
     "model.init_args.net",
@@ -48,9 +50,10 @@ SHAPE_KEYS = (
     "model.init_args.local_steps",
     "model.init_args.local_epochs",
     "model.init_args.novel_clients",
-    "data.",
-    "trainer.",
+    "data",
+    "trainer",
 )
+SHARED_DATA_KEYS = SEED_KEYS["split"]
 REPORTED = (
     *dict.fromkeys(
         (entry.section, key)
@@ -78,13 +81,17 @@ class Runs:
             training's ``model.init_args.seed``), ``training`` (same split, different
             initialization, sampling and batches) or ``split`` (different splits, the same
             training seed).
-        grid: config keys (dotted, as ``--print_config`` nests them) and the values to run,
-            e.g. ``{"model.init_args.local_lr": [0.01, 0.05]}``; every combination is a run.
+        grid: config keys (dotted, as ``--print_config`` nests them) and the values to run;
+            every combination is a run. On the command line one JSON dict,
+            ``--runs.grid='{"model.init_args.local_lr": [0.01, 0.05]}'``; in a config file
+            ``runs: {grid: {model.init_args.local_lr: [0.01, 0.05]}}``.
     """
 
     seeds: list[int] | None = None
     vary: Literal["both", "training", "split"] = "both"
-    grid: dict[str, list[Any]] = field(default_factory=dict)
+    # values typed Any, not list: the flag form --runs.grid.<dotted key> parses to a nested
+    # dict, which expand refuses with the form that works
+    grid: dict[str, Any] = field(default_factory=dict)
 
     @property
     def requested(self) -> bool:
@@ -106,6 +113,139 @@ def _value_label(value: Any) -> str:
     return "".join(c if c.isalnum() or c in ".-" else "_" for c in text)
 
 
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def _is_section(key: str, config: dict[str, Any]) -> bool:
+    """Whether ``key`` names a section of the parser (``model``, ``model.init_args``), not one
+    dict-valued setting (``model.init_args.net_args``): sections hold a class or are top-level."""
+    owner = key.removesuffix(".init_args")
+    return "." not in key or f"{owner}.class_path" in config
+
+
+def _settings(key: str, value: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The config settings a grid value sets: a section's dict (``model.init_args: {local_lr:
+    0.01}``) is split into the settings under it; a setting's value (a dict-valued one too,
+    e.g. ``net_args``) is its own."""
+    if key in config or not isinstance(value, Mapping) or not _is_section(key, config):
+        return {key: value}
+    settings: dict[str, Any] = {}
+    for name, inner in value.items():
+        settings |= _settings(f"{key}.{name}", inner, config)
+    return settings
+
+
+def _check_setting(key: str, setting: str, value: Any, config: dict[str, Any], runs: Runs) -> None:
+    """Refuse a grid value's ``setting`` (``key`` itself or a setting under the section ``key``)
+    that no config has, that the seeds set or that runs could not share a computation over."""
+    given = f"'{key}'" if setting == key else f"'{key}' (its value sets '{setting}')"
+    known = setting in config or any(k.startswith(setting + ".") for k in config)
+    if known and setting not in config and _is_section(setting, config):
+        example = next(k for k in config if k.startswith(setting + "."))
+        raise ConfigError(
+            f"runs.grid over {given}: '{setting}' is a section of the config, so its values "
+            f"must be dicts of its settings ({value!r} is not); better, give each setting its "
+            f"own key, e.g. {example}."
+        )
+    if not known:
+        near = [k for k in config if k.rsplit(".", 1)[-1] == setting.rsplit(".", 1)[-1]]
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise ConfigError(
+            f"runs.grid over {given}: unknown config key '{setting}'{hint}; give keys as "
+            "--print_config nests them, e.g. model.init_args.local_lr."
+        )
+    if setting in (SEED_KEYS[runs.vary] if runs.seeds is not None else ()):
+        raise ConfigError(
+            f"runs.grid over {given} sets '{setting}', which runs.seeds (vary: {runs.vary}) "
+            "sets already; give the seeds in one place."
+        )
+    if setting not in SHARED_DATA_KEYS and any(_under(setting, s) for s in SHAPE_KEYS):
+        raise ConfigError(
+            f"runs.grid over {given}: runs that differ by '{setting}' change tensor shapes, the "
+            "data or the round's structure and could not share a computation; run each value "
+            "as its own job (or its own config)."
+        )
+
+
+def _canonical(value: Any) -> str:
+    """``value`` as JSON with numbers in one form (``1`` == ``1.0``): equal values, equal text."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, Mapping):
+            return {k: plain(x) for k, x in v.items()}
+        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    return json.dumps(plain(value), sort_keys=True)
+
+
+def _grid_settings(runs: Runs, config: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The settings each value of each grid key sets, every one checked."""
+    grid: dict[str, list[dict[str, Any]]] = {}
+    for key, values in runs.grid.items():
+        if key not in config and not any(k.startswith(key + ".") for k in config):
+            _check_setting(key, key, None, config, runs)  # unknown: refused by its own name
+        if isinstance(values, Mapping):
+            example = json.dumps(flatten(values, key + "."))
+            raise ConfigError(
+                f"runs.grid.{key} = {values}: a grid key names a whole dotted setting, and a "
+                "flag --runs.grid.<dotted key> cannot give one (the parser splits the key at its "
+                "first dot, and a second such flag would replace the first); give the grid as "
+                f"one JSON dict, --runs.grid='{example}', or in a config file as "
+                "runs: {grid: {<dotted key>: [values]}}."
+            )
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"runs.grid.{key} must be a non-empty list of values.")
+        grid[key] = [_settings(key, value, config) for value in values]
+        for sets in grid[key]:
+            for setting, inner in sets.items():
+                _check_setting(key, setting, inner, config, runs)
+        seen: dict[str, int] = {}
+        for index, value in enumerate(values):
+            if (first := seen.setdefault(_canonical(value), index)) != index:
+                first_value = values[first]
+                equal = (
+                    f" ({first_value!r} == {value!r})" if repr(first_value) != repr(value) else ""
+                )
+                raise ConfigError(
+                    f"runs.grid.{key} = {values} repeats a value{equal}: each run must differ."
+                )
+    for (key, per_value), (other, other_per_value) in itertools.combinations(grid.items(), 2):
+        for setting, other_setting in itertools.product(
+            {s for d in per_value for s in d}, {s for d in other_per_value for s in d}
+        ):
+            if _under(setting, other_setting) or _under(other_setting, setting):
+                both = max(setting, other_setting, key=len)
+                raise ConfigError(
+                    f"runs.grid keys '{key}' and '{other}' both set '{both}': a run would take "
+                    "one key's value and drop the other's; give each setting in one key."
+                )
+    return grid
+
+
+def _check_distinct(specs: list[RunSpec], config: dict[str, Any]) -> None:
+    """Refuse two runs that would be the same run, or write the same folder."""
+    settings = sorted({s for spec in specs for s in spec.overrides})
+    runs: dict[str, RunSpec] = {}
+    folders: dict[str, RunSpec] = {}
+    for spec in specs:
+        values = {s: spec.overrides.get(s, config.get(s)) for s in settings}
+        if (same := runs.setdefault(_canonical(values), spec)) is not spec:
+            raise ConfigError(
+                f"runs.grid gives two runs with the same settings ({same.label} and "
+                f"{spec.label}: {dict(spec.point)} sets what {dict(same.point)} sets, the "
+                "config's own values included); each run must differ: drop one of them."
+            )
+        if (other := folders.setdefault(spec.label, spec)) is not spec:
+            raise ConfigError(
+                f"runs.grid: the runs {dict(other.point)} and {dict(spec.point)} would share "
+                f"the folder '{spec.label}' (run folders keep letters, digits, '.' and '-' of "
+                "a value and write '_' for the rest); give values that differ in those."
+            )
+
+
 def expand(runs: Runs, config: dict[str, Any]) -> list[RunSpec]:
     """The runs of ``runs`` over the flattened resolved ``config``; bad requests are refused
     with one paragraph each (nothing has been written yet)."""
@@ -115,43 +255,25 @@ def expand(runs: Runs, config: dict[str, Any]) -> list[RunSpec]:
         if len(set(runs.seeds)) != len(runs.seeds):
             raise ConfigError(f"runs.seeds = {runs.seeds} repeats a seed: each run must differ.")
     seed_keys = SEED_KEYS[runs.vary] if runs.seeds is not None else ()
-    for key, values in runs.grid.items():
-        if key not in config and not any(k.startswith(key + ".") for k in config):
-            near = [k for k in config if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
-            hint = f" (did you mean {', '.join(near)}?)" if near else ""
-            raise ConfigError(
-                f"runs.grid: unknown config key '{key}'{hint}; give keys as --print_config "
-                "nests them, e.g. model.init_args.local_lr."
-            )
-        if key in seed_keys:
-            raise ConfigError(
-                f"runs.grid sets '{key}', which runs.seeds (vary: {runs.vary}) sets already; "
-                "give the seeds in one place."
-            )
-        if any(key == s or key.startswith(s) for s in SHAPE_KEYS if s != "data.") or (
-            key.startswith("data.") and key not in SEED_KEYS["split"]
-        ):
-            raise ConfigError(
-                f"runs.grid over '{key}': runs that differ by it change tensor shapes, the data "
-                "or the round's structure and could not share a computation; run each value as "
-                "its own job (or its own config)."
-            )
-        if not isinstance(values, list) or not values:
-            raise ConfigError(f"runs.grid.{key} must be a non-empty list of values.")
-        labels = [json.dumps(v, sort_keys=True) for v in values]
-        if len(set(labels)) != len(labels):
-            raise ConfigError(f"runs.grid.{key} = {values} repeats a value: each run must differ.")
-    keys = list(runs.grid)
+    grid = _grid_settings(runs, config)
+    keys = list(grid)
     specs = []
-    for combination in itertools.product(*(runs.grid[k] for k in keys)):
-        point = tuple(zip(keys, combination, strict=True))
+    for indices in itertools.product(*(range(len(grid[k])) for k in keys)):
+        point = tuple((k, runs.grid[k][i]) for k, i in zip(keys, indices, strict=True))
+        overrides: dict[str, Any] = {}
+        parts = []
+        for (key, value), index in zip(point, indices, strict=True):
+            sets = grid[key][index]
+            overrides |= sets
+            if sets.keys() == {key} or not sets:
+                parts.append(f"{key.rsplit('.', 1)[-1]}_{_value_label(value)}")
+            else:  # a section's dict: named by the settings it sets
+                parts += [f"{s.rsplit('.', 1)[-1]}_{_value_label(v)}" for s, v in sets.items()]
         for seed in runs.seeds if runs.seeds is not None else [None]:
-            overrides = dict(point)
-            if seed is not None:
-                overrides |= {k: seed for k in seed_keys}
-            parts = [f"{k.rsplit('.', 1)[-1]}_{_value_label(v)}" for k, v in point]
-            parts += [f"seed_{seed}"] if seed is not None else []
-            specs.append(RunSpec("-".join(parts), point, seed, overrides))
+            seeded = overrides | ({k: seed for k in seed_keys} if seed is not None else {})
+            label = "-".join(parts + ([f"seed_{seed}"] if seed is not None else []))
+            specs.append(RunSpec(label, point, seed, seeded))
+    _check_distinct(specs, config)
     return specs
 
 
@@ -248,14 +370,17 @@ def summarize(
 ) -> dict[str, Any]:
     """Mean and population std over seeds of every reported metric per grid point, and the
     best point by the mean validation ``select_metric`` at the best round."""
-    points: dict[tuple[tuple[str, Any], ...], list[dict[str, Any]]] = {}
+    # keyed by the point's JSON: grid values may be lists or dicts (FedU's adjacency)
+    points: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
     for spec, path in zip(specs, results_paths, strict=True):
         if path is None or not path.exists():
             continue
-        points.setdefault(spec.point, []).append(json.loads(path.read_text()))
+        point = dict(spec.point)
+        entry = points.setdefault(json.dumps(point, sort_keys=True), (point, []))
+        entry[1].append(json.loads(path.read_text()))
     rows = []
-    for point, results in points.items():
-        row: dict[str, Any] = {"point": dict(point), "runs": len(results)}
+    for point, results in points.values():
+        row: dict[str, Any] = {"point": point, "runs": len(results)}
         for section, key in REPORTED + (("val_at_best", select_metric),):
             values = [v for r in results if (v := _read(r, section, key)) is not None]
             if values:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 
 import lightning_pfl.methods as methods
@@ -33,9 +35,11 @@ from tests.helpers import CONF
 ROOT = Path(__file__).parents[1]
 FEDAVG = CONF / "fedavg.yaml"
 CONFIG = {
+    "model.class_path": "FedAvg",
     "model.init_args.seed": 0,
     "model.init_args.local_lr": 0.05,
     "model.init_args.net_args": None,
+    "model.init_args.names": None,
     "data.init_args.seed": 0,
     "data.init_args.num_clients": 4,
     "trainer.max_steps": 4,
@@ -62,6 +66,21 @@ def test_seeds_and_grid_expand_to_every_combination_with_its_values() -> None:
     assert training == {"model.init_args.seed": 3} and split == {"data.init_args.seed": 3}
 
 
+def test_a_grid_over_a_section_sets_the_settings_in_its_dicts() -> None:
+    grid = {"model.init_args": [{"local_lr": 0.01}, {"local_lr": 0.05, "seed": 3}]}
+    specs = expand(Runs(grid=grid), CONFIG)
+    assert [s.label for s in specs] == ["local_lr_0.01", "local_lr_0.05-seed_3"]
+    assert [s.overrides for s in specs] == [
+        {"model.init_args.local_lr": 0.01},
+        {"model.init_args.local_lr": 0.05, "model.init_args.seed": 3},
+    ]
+    assert specs[0].point == (("model.init_args", {"local_lr": 0.01}),)
+    # a dict-valued setting is one value, not a section
+    config = {**CONFIG, "model.init_args.adapter.width": 4}
+    adapter = expand(Runs(grid={"model.init_args.adapter": [{"width": 8}]}), config)[0]
+    assert adapter.overrides == {"model.init_args.adapter": {"width": 8}}
+
+
 @pytest.mark.parametrize(
     ("runs", "message"),
     [
@@ -75,6 +94,32 @@ def test_seeds_and_grid_expand_to_every_combination_with_its_values() -> None:
         (Runs(grid={"data.init_args.num_clients": [4, 8]}), "change tensor shapes"),
         (Runs(grid={"trainer.max_steps": [4, 8]}), "its own job"),
         (Runs(seeds=[0, 1], grid={"model.init_args.seed": [2, 3]}), "give the seeds in one"),
+        # a section's dicts: each setting they set is checked as if given as its own key
+        (
+            Runs(grid={"model.init_args": [{"local_lr": 0.01}, {"net_args": {"width": 8}}]}),
+            r"'model.init_args' \(its value sets 'model.init_args.net_args'\): runs that differ "
+            "by 'model.init_args.net_args' change tensor shapes",
+        ),
+        (Runs(grid={"model": [{"class_path": "FedProx"}]}), "'model.class_path' change tensor"),
+        (Runs(grid={"model.init_args": [{"local_rate": 0.1}]}), "unknown config key"),
+        (Runs(seeds=[0], grid={"model.init_args": [{"seed": 2}]}), "give the seeds in one"),
+        (Runs(grid={"model": [1]}), "'model' is a section of the config, so its values must"),
+        (Runs(grid={"data": [{"init_args": {"num_clients": 8}}]}), "change tensor shapes"),
+        # runs that would be one run, or share a folder
+        (Runs(grid={"model.init_args.local_lr": [1, 1.0]}), r"repeats a value \(1 == 1.0\)"),
+        (Runs(grid={"model.init_args.seed": [0, 0.0]}), "repeats a value"),
+        (
+            Runs(grid={"model.init_args.local_lr": [0.1], "model.init_args": [{"local_lr": 0.2}]}),
+            "'model.init_args.local_lr' and 'model.init_args' both set 'model.init_args.local_lr'",
+        ),
+        (
+            Runs(grid={"model.init_args": [{"local_lr": 0.1}, {"local_lr": 0.1, "seed": 0}]}),
+            "two runs with the same settings",  # seed 0 is the config's
+        ),
+        (
+            Runs(grid={"model.init_args.names": [["fc weight"], ["fc_weight"]]}),
+            "would share the folder 'names___fc_weight__'",
+        ),
     ],
 )
 def test_bad_requests_are_refused_with_one_paragraph(runs: Runs, message: str) -> None:
@@ -88,6 +133,16 @@ def test_bad_requests_are_refused_with_one_paragraph(runs: Runs, message: str) -
         (["--runs.seeds=[]"], "runs.seeds is empty"),
         (['--runs.grid={"model.init_args.nope": [1, 2]}'], "unknown config key"),
         (["--runs.seeds=[0, 1]", "--trainer.devices=2"], "trainer.devices 1"),
+        (
+            ['--runs.grid={"model.init_args": [{"local_lr": 0.01}, {"net_args": {"width": 8}}]}'],
+            "'model.init_args.net_args' change tensor shapes",
+        ),
+        (['--runs.grid={"model.init_args.local_lr": [1, 1.0]}'], "repeats a value"),
+        # the flag form of one key: refused with the form that works
+        (
+            ["--runs.grid.model.init_args.local_lr", "[0.01,0.05]"],
+            re.escape("""--runs.grid='{"model.init_args.local_lr": [0.01, 0.05]}'"""),
+        ),
     ],
 )
 def test_bad_jobs_fail_before_anything_is_written(
@@ -97,6 +152,33 @@ def test_bad_jobs_fail_before_anything_is_written(
     with pytest.raises(ConfigError, match=message):
         run([*args, *extra])
     assert not any(tmp_path.iterdir())
+
+
+def _write_results(tmp_path: Path, specs: list[Any], accuracies: list[float]) -> list[Path]:
+    paths = []
+    for spec, acc in zip(specs, accuracies, strict=True):
+        path = tmp_path / f"{spec.label}.json"
+        results = {"val_at_best": {"acc": acc}, "test_at_best_val": {"acc": acc}}
+        path.write_text(json.dumps(results))
+        paths.append(path)
+    return paths
+
+
+def test_a_grid_over_list_values_is_summarized_per_point(tmp_path: Path) -> None:
+    """List- and dict-valued grid values (FedU's adjacency, FedAvgFT's names) are grid points
+    like any other: the summary groups each point's seeds and writes it as JSON."""
+    graphs = [[[1.0, 0.0], [0.0, 1.0]], [[1.0, 1.0], [1.0, 1.0]]]
+    config = {**CONFIG, "model.init_args.adjacency": None}
+    specs = expand(Runs(seeds=[0, 1], grid={"model.init_args.adjacency": graphs}), config)
+    summary = summarize(specs, _write_results(tmp_path, specs, [0.5, 0.7, 0.8, 0.9]), "acc")
+    points = [(p["point"], p["runs"], p["val_at_best.acc"]["mean"]) for p in summary["points"]]
+    assert points == [
+        ({"model.init_args.adjacency": graphs[0]}, 2, pytest.approx(0.6)),
+        ({"model.init_args.adjacency": graphs[1]}, 2, pytest.approx(0.85)),
+    ]
+    assert summary["best_point"] == {"model.init_args.adjacency": graphs[1]}
+    assert json.loads(json.dumps(summary)) == summary
+    assert "adjacency=[[1.0, 1.0], [1.0, 1.0]]" in format_summary(summary, tmp_path / "job.json")
 
 
 # ----------------------------------------------------------------- what may share a computation
@@ -187,11 +269,28 @@ def _runs(case: Case, path: dict[str, Any], datas: list[Any]) -> list[FederatedM
     ]
 
 
-def _state(method: FederatedMethod) -> dict[str, torch.Tensor]:
-    state = {f"module.{n}": t for n, t in method.state_dict().items()}
-    for field_name, tensors in method.store.state_dict().items():
-        state |= {f"store.{field_name}.{n}": t for n, t in tensors.items()}
-    return state
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {
+            k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()
+        }
+    if isinstance(tree, (list, tuple)):
+        return {
+            k: v for i, sub in enumerate(tree) for k, v in _leaves(sub, f"{prefix}{i}.").items()
+        }
+    return {prefix.rstrip("."): tree}
+
+
+def _checkpoint(method: FederatedMethod) -> dict[str, Any]:
+    """What a checkpoint of the run holds, flattened: the module's state, the server
+    optimizer's state (e.g. FedOpt's moments, pFedHN's momentum) and the method's own part
+    (per-client state, the run record, a method's extras such as FedGen's optimizer)."""
+    checkpoint = {
+        "state_dict": method.state_dict(),
+        "optimizer_states": [method.server_optimizer.state_dict()],
+    }
+    method.on_save_checkpoint(checkpoint)
+    return _leaves(checkpoint)
 
 
 ONE_BY_ONE = {"vectorize": False, "client_threads": 1}
@@ -203,8 +302,9 @@ VMAP_CASES = {"fedavg", "ditto", "pfedhn", "fedsimsup", "mh_pfedhn", "fedrep"}
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_a_job_trains_every_method_as_its_runs_alone(case: Case) -> None:
     """Two seeds (split and training) of every method: one by one, the runs of a job end bit
-    for bit where the runs alone do; on vmap (both runs' clients in one batch) up to float
-    rounding. Where the method's jobs can share a computation, they did."""
+    for bit where the runs alone do (everything a checkpoint holds: model, server optimizer,
+    per-client state, record); on vmap (both runs' clients in one batch) up to float rounding.
+    Where the method's jobs can share a computation, they did."""
     datas = [digits_data(case.num_clients, seed=seed, **case.data) for seed in (0, 1)]
     paths = [(ONE_BY_ONE, True)] + ([({"vectorize": True}, False)] if case.id in VMAP_CASES else [])
     for path, exact in paths:
@@ -213,13 +313,15 @@ def test_a_job_trains_every_method_as_its_runs_alone(case: Case) -> None:
         lockstep = _train(together, case.rounds, together=True)
         assert lockstep is not None
         for a, b in zip(alone, together, strict=True):
-            sa, sb = _state(a), _state(b)
+            sa, sb = _checkpoint(a), _checkpoint(b)
             assert sa.keys() == sb.keys()
-            for name, tensor in sa.items():
-                if exact:
-                    assert torch.equal(sb[name], tensor), f"{path}: {name}"
+            for name, value in sa.items():
+                if not isinstance(value, torch.Tensor):
+                    assert sb[name] == value, f"{path}: {name}"
+                elif exact:
+                    assert torch.equal(sb[name], value), f"{path}: {name}"
                 else:
-                    torch.testing.assert_close(sb[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+                    torch.testing.assert_close(sb[name], value, rtol=1e-4, atol=1e-5, msg=name)
         if not lockstep.apart_reasons:  # else the job trains them one after another
             assert lockstep.groups_trained < lockstep.submissions
 
@@ -305,6 +407,43 @@ def test_a_job_writes_each_runs_folder_as_alone_and_a_summary(tmp_path: Path) ->
         assert _partition(together) == _partition(alone_dir)
     seeds = [folder / f"local_lr_0.01-seed_{s}" / "version_0" for s in (0, 1)]
     assert _partition(seeds[0]) != _partition(seeds[1])
+
+
+def test_each_run_of_an_lr_grid_takes_the_sgd_step_of_its_own_lr(tmp_path: Path) -> None:
+    """Three runs that differ only by local_lr, one round of one client's one full-batch step,
+    trained as one computation: each run's global model is w - lr * grad, with w the model
+    the config builds and grad the client's mean cross-entropy gradient by autograd."""
+    lrs = [0.01, 0.1, 0.5]
+    common = [
+        "fit",
+        f"--config={FEDAVG}",
+        "--model.init_args.net=mlp",
+        "--model.init_args.net_args={hidden: 4}",
+        "--model.init_args.clients_per_round=1",
+        "--model.init_args.local_steps=1",
+        "--model.init_args.batch_size=100000",  # the client's whole training set
+        "--trainer.max_steps=1",
+        "--trainer.val_check_interval=1",
+        "--test_after_fit=false",
+        "--model.init_args.log_figures=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+    ]
+    job = run([*common, f'--runs.grid={{"model.init_args.local_lr": {lrs}}}']).job
+    assert job is not None and job.lockstep.groups_trained == 1 < job.lockstep.submissions
+    start = run([*common, "--model.init_args.local_lr=0.3"], run_subcommand=False)
+    assert isinstance(start.model, FederatedMethod)
+    start.datamodule.setup("fit")
+    (client,) = start.model.sample_clients(0).tolist()
+    index = start.datamodule.index["train"]
+    first, count = int(index.offsets[client]), int(index.counts[client])
+    x, y = start.datamodule.fetch(index.flat[first : first + count])
+    net = start.model.net
+    grads = torch.autograd.grad(F.cross_entropy(net(x), y), list(net.parameters()))
+    for cli, lr in zip(job.members, lrs, strict=True):
+        trained = dict(cli.model.net.named_parameters())
+        for (name, w), g in zip(net.named_parameters(), grads, strict=True):
+            torch.testing.assert_close(trained[name], w - lr * g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 JOB = [
