@@ -11,6 +11,8 @@ from typing import Any
 import dp_accounting as dpa
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_pfl.conditions import Conditions
 from lightning_pfl.engine import TrainResult
@@ -18,6 +20,7 @@ from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FedAvg, FedPer, FedProto, Local, PFedHN
 from lightning_pfl.partition import IID
 from lightning_pfl.privacy import (
+    CHUNK,
     EPSILON_KEY,
     ClientDP,
     PrivacyAccountant,
@@ -89,6 +92,48 @@ def test_every_clipped_update_has_norm_at_most_c_and_small_ones_are_untouched() 
     for n in sent:  # unclipped rows are the uploads themselves, bit for bit
         assert torch.equal(private[n][~clipped], uploaded[n][~clipped])
     assert clip_factors({"x": torch.zeros(2, 3)}, clip).tolist() == [1.0, 1.0]
+
+
+class LargestFloat64(TorchDispatchMode):
+    """Records the largest float64 tensor any operation creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_clip_factors_equal_the_float64_norm_of_the_flattened_update_without_its_copy() -> None:
+    """The factors of the float64 norm of every client's whole update, also as the float32 the
+    rounds multiply by (float32 norms change most of those in the last bit), from float64
+    squares of at most CHUNK elements at a time."""
+    generator = torch.Generator().manual_seed(0)
+    clip = 1.0
+    for clients in (1, 3, 7):
+        updates = {  # the first tensor has more elements per client than a chunk
+            "w": torch.randn(clients, 700, 1500, generator=generator) * 0.02,
+            "b": torch.randn(clients, 3, generator=generator),
+            "c": torch.randn(clients, 5, 2, 2, generator=generator) * 30,
+        }
+        if clients == 7:
+            for u in updates.values():
+                u[6] = 0  # a zero update keeps factor 1
+        flat = torch.cat([u.flatten(1).double() for u in updates.values()], 1)
+        reference = (clip / flat.pow(2).sum(1).sqrt()).clamp(max=1.0)
+        with LargestFloat64() as largest:
+            factors = clip_factors(updates, clip)
+        assert largest.numel <= CHUNK < flat[0].numel(), largest.numel
+        assert factors.dtype == torch.float64
+        torch.testing.assert_close(factors, reference, rtol=1e-14, atol=0)
+        assert torch.equal(factors.float(), reference.float()), clients
+        assert (factors[: min(clients, 6)] < 1).all()
+    assert factors[6] == 1.0  # the zero update
 
 
 def no_training(method: FedAvg) -> None:
