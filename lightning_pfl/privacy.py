@@ -198,19 +198,6 @@ def private_uploads(
     return private
 
 
-def private_sum(
-    contributions: Mapping[str, Tensor], dp: ClientDP, generator: torch.Generator
-) -> dict[str, Tensor]:
-    """``sum_k clip(g_k) + N(0, z^2 S^2 I)`` of per-client contributions stacked ``[K, ...]``
-    (the caller divides by K = qN)."""
-    clipped = clip_updates(contributions, dp.clip_norm)
-    total = {n: c.sum(0) for n, c in clipped.items()}
-    if dp.noise_multiplier == 0:
-        return total
-    noise = gaussian_noise(total, dp.noise_multiplier * dp.clip_norm, generator)
-    return {n: t + noise[n] for n, t in total.items()}
-
-
 class PrivacyAccountant:
     """epsilon at ``dp.delta`` after T rounds of the subsampled Gaussian mechanism, by
     ``dp-accounting`` (its RDP or PLD accountant, as ``dp.accountant`` says).
