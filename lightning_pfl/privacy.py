@@ -103,7 +103,7 @@ REFUSED: dict[str, tuple[str, str]] = {
     "PFedHNBudgets": (
         "the delta of its budget size's generated model",
         "its DP round would clip each client's contribution to the shared hypernetwork (the "
-        "body and embeddings every size reads, plus its size's heads) as MH-pFedHN does; not "
+        "body every size reads, plus its size's heads) as one vector, as MH-pFedHN does; not "
         "implemented",
     ),
     "PeFLL": (
