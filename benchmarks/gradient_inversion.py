@@ -5,11 +5,12 @@ each, ``digits_cnn``, the models at initialization: round 0, where DLG attacks).
 Each row is one (method, DP setting, victim): the victim's one-sample, one-step upload is
 inverted and scored by PSNR / SSIM against the real image, and by whether iDLG read its label.
 DP rows use the upload clipped to S and noised with N(0, z^2 S^2 I), the attacker that knows
-every other update of the round (docs/privacy.md). pFedHN has no DP row: its noise is on the
-hypernetwork, not on the upload. MH-pFedHN (a zoo of one architecture, ``digits_cnn``, so its
-rows compare with FedAvg's on the same network) has none either: it refuses ``client_dp``. Its
-victim uploads the update of the model its hypernetwork generated (MH-pFedHN's Fig. 6 attacks
-it the same way).
+every other update of the round (docs/privacy.md). pFedHN and MH-pFedHN (a zoo of one
+architecture, ``digits_cnn``, so its rows compare with FedAvg's on the same network) have no DP
+row: both support ``client_dp`` (MH-pFedHN with ``hn_update: mean``), but their noise is on the
+hypernetwork's gradient, not on the upload, so the attack refuses them under DP. Their victims
+upload the update of the model the hypernetwork generated (MH-pFedHN's Fig. 6 attacks it the
+same way).
 
     python -m benchmarks.gradient_inversion --victims 0 1 2 --iterations 50 \\
         --out benchmarks/results/privacy_attack/digits.json

@@ -31,34 +31,152 @@ if TYPE_CHECKING:
 KEY = "model.init_args.client_dp"
 EPSILON_KEY = "privacy/epsilon"  # logged every round (TensorBoard) at step = rounds completed
 F = TypeVar("F", bound=Callable[..., Any])
+CHUNK = 1 << 16  # elements whose float64 squares clip_factors forms at once (512 KiB)
 
-# What the methods without a DP round upload, for the refusal (docs/privacy.md has the table).
-UPLOADS = {
-    "Local": "nothing (no federation)",
-    "HeterogeneousLocal": "nothing (no federation)",
-    "FedProto": "class prototypes and their sample counts, not model updates",
-    "FedGH": "class-wise feature representations and their labels, not model updates",
-    "FedPAC": "the body update plus its classifier head and per-class feature statistics",
-    "FedFomo": "its whole local model, which the server sends to other clients as it is",
-    "FedU": "its whole local model, which its neighbours pull towards as it is",
-    "FedSimSup": "its personalized model, which the server keeps per client",
-    "FedAKT": "its trained adapter, averaged per adapter shape",
-    "HypCluster": "its update and, through its losses, the cluster it joins",
-    "FedTP": "the shared update plus its generated attention weights after training",
-    "FedTPPer": "the shared update plus its generated attention weights after training",
-    "FedTPRoD": "the shared update plus its generated attention weights after training",
-    "FedTPKNN": "the shared update plus its generated attention weights after training",
-    "PFedLA": "its delta, which the server mixes with per-client layer weights",
-    "PFedHNPC": "its body delta; its DP round is not implemented",
-    "PFedHNBudgets": "the deltas of its budget's model; its DP round is not implemented",
-    "PeFLL": "its delta and the embedding network's gradient from its data",
-    "MHPFedHNG": (
-        "the deltas of its own and the global model; the global model's step (a sample-weighted "
-        "mean of the holders' deltas, a second server step each round) has no DP version"
+# Why each method without a DP round has none: what each client uploads, and why DP-FedAvg
+# (one clipped, noised sum per round, weights fixed in advance) does not cover it or is not
+# implemented for it (docs/privacy.md has the table; tests/test_privacy_methods.py checks that
+# every library method either privatizes its round or is here).
+_TP = (
+    "the update of the shared tensors plus the attention weights its hypernetwork generated "
+    "for it, after training",
+    "the server steps its hypernetwork on each client's trained attention weights, a second "
+    "upload that would need its own clip and noise (not implemented)",
+)
+_MHG = (
+    "the deltas of its own model and of the global model",
+    "the global model's step is a second server step each round (the sample-weighted mean of "
+    "the holders' global deltas, which also moves the shared MLP), which has no DP version",
+)
+REFUSED: dict[str, tuple[str, str]] = {
+    "Local": ("nothing", "every client trains alone, so there is no release to privatize"),
+    "HeterogeneousLocal": (
+        "nothing",
+        "every client trains alone, so there is no release to privatize",
     ),
-    "MHPFedHNGD": (
-        "the deltas of its own and the global model; the global model's step (a sample-weighted "
-        "mean of the holders' deltas, a second server step each round) has no DP version"
+    "FedProto": (
+        "its class prototypes (mean features per class) and their class counts, not a model update",
+        "the server averages the prototypes per class weighted by those counts, a per-class, "
+        "data-dependent weighting that DP-FedAvg's clipped sum with fixed weights does not cover",
+    ),
+    "FedGH": (
+        "the mean representation of each of its classes with the class ids, not a model update",
+        "the server takes one SGD step of its header per (representation, class) pair, a "
+        "per-client use that DP-FedAvg's clipped sum does not cover",
+    ),
+    "FedPAC": (
+        "its body update plus its classifier head, its class centroids with counts and its "
+        "feature statistics",
+        "the server gives each client a combination of the other clients' heads with weights "
+        "solved from their statistics: per-client uses beyond the noisy mean of the bodies",
+    ),
+    "FedFomo": (
+        "its whole local model",
+        "the server sends it as it is to other clients, who weight it by their own validation "
+        "loss: a per-client release that only noise on each model (local DP) could cover",
+    ),
+    "FedU": (
+        "its whole local model",
+        "its neighbours are pulled towards it as it is: a per-client release that only noise "
+        "on each model (local DP) could cover",
+    ),
+    "FedSimSup": (
+        "its personalized model",
+        "the server keeps it as trained and mixes it into the other clients' models: a "
+        "per-client release, not a noisy sum",
+    ),
+    "HypCluster": (
+        "its update and, through its losses, the cluster it joins",
+        "the cluster choice is a function of its data that routes its update to one of q "
+        "models: it would need a private selection as well as noise per cluster",
+    ),
+    "FedTP": _TP,
+    "FedTPPer": _TP,
+    "FedTPRoD": _TP,
+    "FedTPKNN": _TP,
+    "PFedLA": (
+        "its delta, and the server keeps its model",
+        "the server mixes every client's kept model layer by layer into each client's model "
+        "with learned per-client weights: client j's model reaches client i in person, not "
+        "through a noisy sum",
+    ),
+    "PFedHNBudgets": (
+        "the delta of its budget size's generated model",
+        "its DP round would clip each client's contribution to the shared hypernetwork (the "
+        "body every size reads, plus its size's heads) as one vector, as MH-pFedHN does; not "
+        "implemented",
+    ),
+    "PeFLL": (
+        "its delta, its descriptor v computed from its data, and the embedding network's "
+        "gradient from its data",
+        "the descriptor and the embedding network's gradient are two more uploads, each "
+        "needing its own clip and noise (not implemented)",
+    ),
+    "MHPFedHNG": _MHG,
+    "MHPFedHNGD": _MHG,
+    "APPLE": (
+        "its core model",
+        "every client downloads all N core models as they are and mixes them with its own "
+        "weights: a per-client release that only noise on each model (local DP) could cover",
+    ),
+    "CCVR": (
+        "its update (FedAvg's round) and, for the calibration, its per-class feature means "
+        "and covariances",
+        "the server fits the calibrated classifier on those statistics, a second upload that "
+        "would need its own noise (not implemented)",
+    ),
+    "CFL": (
+        "its update",
+        "the server splits clusters by the cosine similarities and norms of the individual "
+        "updates: per-client uses of each update, not their noisy sum",
+    ),
+    "FedAMP": (
+        "its whole personalized model",
+        "the server builds each client's cloud model from its similarity to every other "
+        "client's model: a per-client use that a noisy sum does not cover",
+    ),
+    "FedAS": (
+        "its body update and its Fisher-information trace",
+        "the server weights the updates by the Fisher traces, computed from each client's data: "
+        "DP-FedAvg's weights are fixed in advance, and the trace is a second upload",
+    ),
+    "FedAvgPoC": (
+        "its update, and its loss on the global model for the selection",
+        "it picks the clients with the highest loss, not a uniform sample, so the accountant's "
+        "subsampling bound does not hold",
+    ),
+    "FedGen": (
+        "its update and its label counts",
+        "the server trains its generator on each client's uploaded classifier head and the "
+        "label counts: per-client uses that a noisy sum does not cover",
+    ),
+    "FedMGDAPlus": (
+        "its update",
+        "the server's step is the min-norm combination of the individual (normalized) updates, "
+        "solved from their Gram matrix: a nonlinear function of each update, not a noisy sum",
+    ),
+    "FedNova": (
+        "its update and its number of local steps (its a_i)",
+        "the server divides the update by a_i, weights it by its sample share p_i and rescales "
+        "by tau_eff = sum_i p_i a_i, all functions of the clients' data sizes: DP-FedAvg's "
+        "weights are fixed in advance",
+    ),
+    "Floco": (
+        "its update and, in round tau, the update of its simplex endpoints",
+        "in round tau every client (not a sample) uploads that update and the server places it "
+        "on the simplex from its own: a per-client release, without subsampling, that the "
+        "noisy sum of the other rounds does not cover",
+    ),
+    "QFFL": (
+        "its update and h_k, from its loss F_k on the global model and its update's norm",
+        "the server's step is sum_k F_k^q Delta w_k / sum_k h_k: each client's weight depends "
+        "on its loss and on the others', so no clip bounds one client's effect on the step",
+    ),
+    "SCAFFOLD": (
+        "its model update and its control-variate update Delta c_i",
+        "the control variates are a second upload that moves the server's c every round; they "
+        "would need their own clip and noise (or one clip over [Delta y_i, Delta c_i]), not "
+        "implemented",
     ),
 }
 
@@ -115,12 +233,20 @@ class ClientDP:
         what = getattr(type(method).run_round, "privatizes", None)
         if what is None:
             name = type(method).__name__
-            uploads = UPLOADS.get(name, "what its own round defines, which has no DP version")
+            uploads, why = REFUSED.get(
+                name,
+                (
+                    "what its own round defines",
+                    "that round (it overrides a privatized one, or is new) is not marked as "
+                    "privatizing anything",
+                ),
+            )
             raise ConfigError(
-                f"{KEY}: {name} does not support client-level DP: each client uploads "
-                f"{uploads} (docs/privacy.md). Remove client_dp, or use a method whose round "
-                "privatizes its uploads: FedAvg and the FedAvg subclasses that keep its round "
-                "(FedPer, FedProx, Ditto, ...), PFedHN, PFedLHN or MHPFedHN."
+                f"{KEY}: {name} does not support client-level DP. Each client uploads "
+                f"{uploads}; {why} (docs/privacy.md). Remove client_dp, or use a method whose "
+                "round privatizes its uploads: FedAvg and the FedAvg subclasses that keep its "
+                "round (FedPer, FedProx, Ditto, ...), FedDyn, FedCP, FedAKT, PFedHN, PFedHNPC, "
+                "PFedLHN or MHPFedHN."
             )
         return str(what)
 
@@ -138,10 +264,20 @@ def privatizes(what: str) -> Callable[[F], F]:
 
 def clip_factors(updates: Mapping[str, Tensor], clip_norm: float) -> Tensor:
     """min(1, S / ||Delta_k||) of every client k: the norm is over all of ``updates`` (stacked
-    ``[K, ...]``), accumulated in float64; a zero update keeps factor 1. No host sync."""
-    squares = [u.flatten(1).double().pow(2).sum(1) for u in updates.values()]
-    norms = torch.stack(squares).sum(0).sqrt()
-    return (clip_norm / norms).clamp(max=1.0)
+    ``[K, ...]``), its squares summed in float64; a zero update keeps factor 1. No host sync.
+
+    The float64 squares are formed ``CHUNK`` elements (of all clients together) at a time,
+    never for a whole update: MH-pFedHN clips [5, 13.5 M] shared gradients, whose float64
+    copies took 1 GB and most of a second. Float32 norms, though faster, would change most of
+    the float32 factors in their last bit (tests/test_privacy.py), and with them every DP run."""
+    total = None
+    for u in updates.values():
+        flat = u.flatten(1)
+        for part in flat.split(max(1, CHUNK // max(1, len(flat))), dim=1):
+            squares = part.double().square().sum(1)
+            total = squares if total is None else total + squares
+    assert total is not None, "clip_factors needs at least one tensor"
+    return (clip_norm / total.sqrt()).clamp(max=1.0)
 
 
 def clip_updates(updates: Mapping[str, Tensor], clip_norm: float) -> dict[str, Tensor]:
@@ -185,19 +321,6 @@ def private_uploads(
         for n, u in private.items():
             private[n] = torch.cat([(u[0] + noise[n]).unsqueeze(0), u[1:]])
     return private
-
-
-def private_sum(
-    contributions: Mapping[str, Tensor], dp: ClientDP, generator: torch.Generator
-) -> dict[str, Tensor]:
-    """``sum_k clip(g_k) + N(0, z^2 S^2 I)`` of per-client contributions stacked ``[K, ...]``
-    (the caller divides by K = qN)."""
-    clipped = clip_updates(contributions, dp.clip_norm)
-    total = {n: c.sum(0) for n, c in clipped.items()}
-    if dp.noise_multiplier == 0:
-        return total
-    noise = gaussian_noise(total, dp.noise_multiplier * dp.clip_norm, generator)
-    return {n: t + noise[n] for n, t in total.items()}
 
 
 class PrivacyAccountant:

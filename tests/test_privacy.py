@@ -11,13 +11,16 @@ from typing import Any
 import dp_accounting as dpa
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_pfl.conditions import Conditions
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedAvg, FedPer, FedProto, Local, PFedHN
+from lightning_pfl.methods import FedAvg, FedPer, FedProto, Local, PFedHN, PFedLHN
 from lightning_pfl.partition import IID
 from lightning_pfl.privacy import (
+    CHUNK,
     EPSILON_KEY,
     ClientDP,
     PrivacyAccountant,
@@ -89,6 +92,48 @@ def test_every_clipped_update_has_norm_at_most_c_and_small_ones_are_untouched() 
     for n in sent:  # unclipped rows are the uploads themselves, bit for bit
         assert torch.equal(private[n][~clipped], uploaded[n][~clipped])
     assert clip_factors({"x": torch.zeros(2, 3)}, clip).tolist() == [1.0, 1.0]
+
+
+class LargestFloat64(TorchDispatchMode):
+    """Records the largest float64 tensor any operation creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_clip_factors_equal_the_float64_norm_of_the_flattened_update_without_its_copy() -> None:
+    """The factors of the float64 norm of every client's whole update, also as the float32 the
+    rounds multiply by (float32 norms change most of those in the last bit), from float64
+    squares of at most CHUNK elements at a time."""
+    generator = torch.Generator().manual_seed(0)
+    clip = 1.0
+    for clients in (1, 3, 7):
+        updates = {  # the first tensor has more elements per client than a chunk
+            "w": torch.randn(clients, 700, 1500, generator=generator) * 0.02,
+            "b": torch.randn(clients, 3, generator=generator),
+            "c": torch.randn(clients, 5, 2, 2, generator=generator) * 30,
+        }
+        if clients == 7:
+            for u in updates.values():
+                u[6] = 0  # a zero update keeps factor 1
+        flat = torch.cat([u.flatten(1).double() for u in updates.values()], 1)
+        reference = (clip / flat.pow(2).sum(1).sqrt()).clamp(max=1.0)
+        with LargestFloat64() as largest:
+            factors = clip_factors(updates, clip)
+        assert largest.numel <= CHUNK < flat[0].numel(), largest.numel
+        assert factors.dtype == torch.float64
+        torch.testing.assert_close(factors, reference, rtol=1e-14, atol=0)
+        assert torch.equal(factors.float(), reference.float()), clients
+        assert (factors[: min(clients, 6)] < 1).all()
+    assert factors[6] == 1.0  # the zero update
 
 
 def no_training(method: FedAvg) -> None:
@@ -174,15 +219,69 @@ def test_pfedhn_noise_on_the_shared_hypernetwork_only() -> None:
     assert torch.equal(
         method.hnet.embeddings.weight.grad, torch.zeros(6, method.hnet.embeddings.embedding_dim)
     )
-    # without noise and clip, the DP gradient is pFedHN's own (one backward for all clients)
-    reference = build(PFedHN, dm, hn_max_grad_norm=None, **kwargs)
-    private = build(PFedHN, dm, client_dp=NO_DP, hn_max_grad_norm=None, **kwargs)
-    for m in (reference, private):
-        fit(m, dm, rounds=2)
-    for (name, a), b in zip(
-        reference.hnet.named_parameters(), private.hnet.parameters(), strict=True
-    ):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_pfedhn_clips_each_clients_contribution_and_not_the_embeddings() -> None:
+    dm = digits_data(6)
+    kwargs: dict[str, Any] = {"n_hidden": 1, "hidden_dim": 8, "clients_per_round": 3}
+    method = build(PFedHN, dm, client_dp=ClientDP(0.0, 1.0), hn_max_grad_norm=None, **kwargs)
+    generated = method.hnet(torch.tensor([0, 1, 2]))
+    torch.manual_seed(0)
+    scale = torch.logspace(-2, 0, 3)
+    delta = {
+        n: scale.view(-1, *[1] * (t.dim() - 1)) * torch.randn_like(t) for n, t in generated.items()
+    }
+    body = list(method.hnet.body_parameters())
+    embeddings = list(method.hnet.embedding_parameters())
+    contributions, norms = [], []  # J_i^T delta_i one client at a time
+    for i in range(3):
+        surrogate = sum((generated[n][i] * delta[n][i]).sum() for n in generated)
+        c = torch.autograd.grad(surrogate, body, retain_graph=True)
+        contributions.append(c)
+        norms.append(float(torch.cat([x.flatten() for x in c]).norm()))
+    mean = sum((generated[n] * delta[n]).sum() for n in generated) / 3
+    expected = torch.autograd.grad(mean, embeddings, retain_graph=True)
+    clip = sorted(norms)[1]
+    method.client_dp = ClientDP(0.0, clip)
+    method.set_private_gradients(generated, delta, torch.Generator())
+    factors = [min(1.0, clip / n) for n in norms]
+    assert min(factors) < 1 and max(factors) == 1, "some clients clipped, some not"
+    for k, p in enumerate(body):  # (sum_i f_i J_i^T delta_i) / qN
+        parts = [f * c[k] / 3 for f, c in zip(factors, contributions, strict=True)]
+        scale = max(float(x.abs().max()) for x in parts)  # float32 rounding of the backward
+        torch.testing.assert_close(p.grad, sum(parts), rtol=1e-5, atol=1e-5 * scale)
+    for p, e in zip(embeddings, expected, strict=True):  # unclipped, weights 1 / C
+        torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize(("cls", "max_grad_norm"), [(PFedHN, None), (PFedHN, 1e6), (PFedLHN, None)])
+def test_hypernetwork_without_noise_and_clip_is_the_run_without_dp_bit_for_bit(
+    cls: type[PFedHN], max_grad_norm: float | None
+) -> None:
+    """The clipped sum is the gradient of the surrogate with weights f_i / qN (one backward),
+    so with f_i = 1 it is pFedHN's own; an inactive hn_max_grad_norm (its two parts clipped
+    apart under DP) changes nothing."""
+
+    def trained(**kwargs: Any) -> PFedHN:
+        dm = digits_data(6)
+        method = build(
+            cls,
+            dm,
+            n_hidden=1,
+            hidden_dim=8,
+            clients_per_round=3,
+            hn_max_grad_norm=max_grad_norm,
+            **kwargs,
+        )
+        fit(method, dm, rounds=3)
+        return method  # type: ignore[return-value]
+
+    plain, private = trained(), trained(client_dp=NO_DP)
+    assert private.record.extra_results["privacy"]["epsilon"] == math.inf
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(tensor, private.state_dict()[name]), name
+    noisy = trained(client_dp=ClientDP(1e-3, 10.0))  # the check sees a changed run
+    assert not torch.equal(noisy.state_dict()["hnet.mlp.0.weight"], plain.hnet.mlp[0].weight)
 
 
 @pytest.mark.parametrize("cls", [FedAvg, FedPer])

@@ -15,6 +15,7 @@ from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedgh import HeterogeneousModels
 from lightning_pfl.models import build_network
 from lightning_pfl.params import client_mean
+from lightning_pfl.privacy import private_uploads, privatizes
 from lightning_pfl.validation import NonNegativeFloat
 
 
@@ -105,6 +106,10 @@ class FedAKT(HeterogeneousModels):
         shared = [p for p in self.adapter.parameters() if p.requires_grad]
         return torch.optim.SGD(shared, lr=1.0)  # lr 1 on w - mean(w_i): plain FedAvg
 
+    @privatizes(
+        "the update of the adapter's extractor (the whole upload), clipped as one vector; each "
+        "client's own model never leaves it"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         batches = self.draw_batches(clients, round_idx)
         state = dict(self.adapter.named_parameters())
@@ -135,8 +140,16 @@ class FedAKT(HeterogeneousModels):
             return result.loss
 
         losses = self.groups.train_groups(clients, train)
-        weights = self.client_weights(clients)
-        for n in trained:
-            state[n].grad = state[n].detach() - client_mean(trained[n], weights).to(state[n].dtype)
+        dp, received = self.client_dp, trained
+        if dp is None:
+            weights = self.client_weights(clients)
+        else:  # FedAvg's DP on the adapter: w_k = 1 over qN = clients_per_round
+            received = private_uploads(sent, trained, dp, self.client_dp_generator(round_idx))
+            weights = torch.full(
+                (len(clients),), 1.0 / self.hp.clients_per_round, dtype=torch.float64
+            )
+        for n in received:
+            mean = client_mean(received[n], weights)
+            state[n].grad = state[n].detach() - mean.to(state[n].dtype)
         self.record_communication(down=sent, up=trained)
         return losses

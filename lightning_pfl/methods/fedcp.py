@@ -13,6 +13,7 @@ from lightning_pfl.engine import Params, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedproto import feature_dim
+from lightning_pfl.privacy import private_uploads, privatizes
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat
 
 CPN, GLOBAL, FROZEN, CONTEXT = "cpn.", "global_head.", "global_body.", "context"
@@ -122,6 +123,10 @@ class FedCP(FedAvg):
         reference = self.arch.features({n: context[FROZEN + n] for n in self.body}, x)
         return weighted_cross_entropy(logits, y, w) + h.lam * rbf_mmd(local, reference, w)
 
+    @privatizes(
+        "the update of everything the client uploads (phi, the CPN and (head_p + head_g) / 2 "
+        "minus head_g), clipped as one vector"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         state = self.global_state()
         sent = {n: t.expand(len(clients), *t.shape) for n, t in state.items()}
@@ -138,7 +143,15 @@ class FedCP(FedAvg):
         self.store.scatter("personal", clients, heads | {CONTEXT: heads[weight].sum(1)})
         uploaded = {n: result.params[n] for n in shared}
         uploaded |= {n: 0.5 * (heads[n] + sent[n]) for n in self.arch.head_names}
-        self.aggregate(uploaded, self.client_weights(clients))
+        dp = self.client_dp
+        if dp is None:
+            self.aggregate(uploaded, self.client_weights(clients))
+        else:  # as FedAvg's: w_k = 1 over qN = clients_per_round
+            generator = self.client_dp_generator(round_idx)
+            uniform = torch.full(
+                (len(clients),), 1.0 / self.hp.clients_per_round, dtype=torch.float64
+            )
+            self.aggregate(private_uploads(sent, uploaded, dp, generator), uniform)
         self.record_communication(down=sent, up=uploaded)
         return result.loss
 

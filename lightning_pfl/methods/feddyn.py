@@ -12,6 +12,7 @@ from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedprox import anchor, proximal_loss
 from lightning_pfl.methods.scaffold import linear_loss
 from lightning_pfl.params import prefixed
+from lightning_pfl.privacy import private_uploads, privatizes
 from lightning_pfl.server_state import NamedBuffers
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
@@ -72,6 +73,10 @@ class FedDyn(FedAvg):
             linear_loss(self.cross_entropy, self.trainable, LINEAR), alpha, self.trainable
         )
 
+    @privatizes(
+        "the update theta_k^t - theta^{t-1} of every tensor (the whole upload), clipped as one "
+        "vector; the server's h^t and theta^t both use the one noisy sum"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         alpha = self.hp.alpha
         sent = self.payload(clients)
@@ -87,12 +92,17 @@ class FedDyn(FedAvg):
         drift = {n: result.params[n] - sent[n] for n in self.trainable}
         self.store.scatter("gradient", clients, {n: state[n] - alpha * drift[n] for n in drift})
         uploaded = {n: result.params[n] for n in sent}
+        received, moved = uploaded, drift
+        if self.client_dp is not None:  # DP-FedAvg's private uploads; qN = len(clients) here
+            generator = self.client_dp_generator(round_idx)
+            received = private_uploads(sent, uploaded, self.client_dp, generator)
+            moved = {n: received[n] - sent[n] for n in drift}
         uniform = torch.full((len(clients),), 1 / len(clients), device=self.device)
-        self.aggregate(uploaded, uniform)  # p.grad = theta - mean theta_k; buffers: the mean
+        self.aggregate(received, uniform)  # p.grad = theta - mean theta_k; buffers: the mean
         with torch.no_grad():
             for name, p in self.net.named_parameters():
                 h = self.h[name]
-                h.sub_(alpha * drift[name].sum(0) / self.num_training_clients)
+                h.sub_(alpha * moved[name].sum(0) / self.num_training_clients)
                 # the unit server step then lands on theta^t = mean theta_k - h^t / alpha
                 assert p.grad is not None
                 p.grad.add_(h / alpha)

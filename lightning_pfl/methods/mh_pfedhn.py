@@ -47,7 +47,7 @@ from lightning_pfl.models.multihead_hypernetwork import (
     MultiHeadHyperNetwork,
 )
 from lightning_pfl.novel_adaptation import NovelAdaptation
-from lightning_pfl.privacy import gaussian_noise, privatizes
+from lightning_pfl.privacy import clip_factors, gaussian_noise, privatizes
 from lightning_pfl.streams import CONSTRAINED_STREAM, ORDER_STREAM
 from lightning_pfl.validation import (
     Momentum,
@@ -403,18 +403,8 @@ class MHPFedHN(FederatedMethod):
             allow_unused=True,
             is_grads_batched=True,
         )
-        # ||c_i|| from each tensor's norm (no flattened float64 copy of the [C, ...] gradients,
-        # which took 2 s a round with the digits zoo's 13.5 M shared parameters), squared and
-        # summed in float64
-        norms = torch.stack(
-            [
-                torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())))
-                for g in per_client
-                if g is not None
-            ]
-        )
-        factors = (dp.clip_norm / norms.double().pow(2).sum(0).sqrt()).clamp(max=1.0)
-        factors = factors.to(generated[0].dtype)
+        used = {str(i): g for i, g in enumerate(per_client) if g is not None}
+        factors = clip_factors(used, dp.clip_norm).to(generated[0].dtype)
         expected = self.hp.clients_per_round  # qN: the simulation samples exactly that many
         weights = list((factors * (1.0 / expected)).split(sizes))
         set_delta_gradients(self.dp_shared, generated, deltas, weights, None, retain_graph=True)

@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.novel_adaptation import NovelAdaptation
+from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
 
@@ -48,6 +49,11 @@ class PFedHNPC(PFedHN):
     def generated_shapes(self) -> Mapping[str, tuple[int, ...]]:
         return {n: s for n, s in self.arch.shapes.items() if n not in self.arch.head_names}
 
+    @privatizes(
+        "each client's contribution J_i^T delta_i to the gradient of the shared hypernetwork "
+        "(every parameter but the embeddings), as pFedHN's; the embedding v_i is client i's "
+        "personal parameter, and its head never leaves it"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         h = self.hp
         generated = self.hnet(clients)
@@ -71,7 +77,10 @@ class PFedHNPC(PFedHN):
         self.store.scatter("head", clients, {n: result.params[n] for n in head})
         self.store.scatter("head_momentum", clients, {n: result.momentum[n] for n in head})
         delta = {n: body[n] - result.params[n] for n in body}
-        self.update_hypernetwork(generated, delta)
+        if self.client_dp is not None:
+            self.set_private_gradients(generated, delta, self.client_dp_generator(round_idx))
+        else:
+            self.update_hypernetwork(generated, delta)
         self.record_communication(down=body, up=delta)
         return result.loss
 

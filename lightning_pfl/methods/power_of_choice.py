@@ -86,12 +86,6 @@ class FedAvgPoC(FedAvg):
                 f"estimates the loss on b samples (variant is {variant}); remove "
                 "loss_batch_size or set model.init_args.variant: cpow-d."
             )
-        if self.client_dp is not None:
-            raise ConfigError(
-                "model.init_args.client_dp: FedAvgPoC picks the clients with the highest loss, "
-                "not a uniform sample, so the DP accountant's subsampling bound does not hold; "
-                "remove client_dp or use FedAvg."
-            )
         self.d = candidates if candidates is not None else min(2 * m, n)
         self.b = loss_batch_size if loss_batch_size is not None else self.hp.batch_size
         if variant == "rpow-d":
