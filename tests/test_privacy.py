@@ -221,6 +221,27 @@ def test_pfedhn_noise_on_the_shared_hypernetwork_only() -> None:
     )
 
 
+def test_pfedlhn_clips_the_basis_every_clients_embedding_reads() -> None:
+    """pFedLHN's v_i = c_i E: the basis E is read by every client, so it is clipped with the
+    shared hypernetwork (its gradient bounded by S C / qN), and only the coefficients c_i are a
+    client's own. Before, E counted among the embeddings and took every client's unclipped
+    delta (gradient norm ~10 at S = 1e-6)."""
+    dm = digits_data(6)
+    clip = 1e-6
+    method = build(PFedLHN, dm, client_dp=ClientDP(0.0, clip), clients_per_round=3)
+    assert method.hp.n_embeds is not None
+    generated = method.hnet(torch.tensor([0, 1, 2]))
+    torch.manual_seed(0)
+    delta = {n: 100 * torch.randn_like(t) for n, t in generated.items()}
+    method.set_private_gradients(generated, delta, torch.Generator())
+    bases = [m.basis.weight for m in method.hnet.modules() if hasattr(m, "coefficients")]
+    assert bases and all(b.grad is not None for b in bases)
+    personal = {id(p) for p in method.hnet.personal_parameters()}
+    assert not any(id(b) in personal for b in bases)
+    shared = [p.grad.flatten() for p in method.hnet.parameters() if id(p) not in personal]
+    assert float(torch.cat(shared).norm()) <= clip * (1 + 1e-4)  # sum of 3 clipped / qN = 3
+
+
 def test_pfedhn_clips_each_clients_contribution_and_not_the_embeddings() -> None:
     dm = digits_data(6)
     kwargs: dict[str, Any] = {"n_hidden": 1, "hidden_dim": 8, "clients_per_round": 3}

@@ -232,7 +232,9 @@ class PFedHN(FederatedMethod):
     def set_private_gradients(
         self, generated: Params, delta: Params, generator: torch.Generator
     ) -> None:
-        """DP-FedAvg on the shared hypernetwork phi: grad(phi) = (sum_i f_i J_i^T delta_i +
+        """DP-FedAvg on the shared hypernetwork phi (every parameter but the personal ones,
+        ``personal_parameters``: the embeddings v_i, or a mixed embedding's coefficients c_i,
+        whose basis every client reads): grad(phi) = (sum_i f_i J_i^T delta_i +
         N(0, z^2 S^2 I)) / qN with f_i = min(1, S / ||J_i^T delta_i||). The norms come from one
         batched backward (batch b of the output gradients holds delta_b in row b only); the
         clipped sum is then the gradient of the surrogate with weights f_i / qN, one backward,
@@ -241,8 +243,9 @@ class PFedHN(FederatedMethod):
         own, so that phi's step does not depend on the embeddings' unclipped gradients."""
         dp = self.client_dp
         assert dp is not None, "client_dp is not set"
-        body = [p for p in self.hnet.body_parameters() if p.requires_grad]
-        embeddings = [p for p in self.hnet.embedding_parameters() if p.requires_grad]
+        embeddings = [p for p in self.hnet.personal_parameters() if p.requires_grad]
+        personal = {id(p) for p in embeddings}
+        body = [p for p in self.hnet.parameters() if p.requires_grad and id(p) not in personal]
         outputs = list(generated.values())
         deltas = list(delta.values())
         count = len(outputs[0])

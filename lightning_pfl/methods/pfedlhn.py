@@ -60,6 +60,13 @@ class MixedEmbedding(nn.Module):
         return self.coefficients[clients] @ self.basis.weight
 
 
+def without_bases(module: nn.Module, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+    """``parameters`` less the basis E of every :class:`MixedEmbedding` in ``module``: every
+    client's v_i = c_i E reads E, so only the coefficients c_i are a client's own."""
+    bases = {id(m.basis.weight) for m in module.modules() if isinstance(m, MixedEmbedding)}
+    return [p for p in parameters if id(p) not in bases]
+
+
 class LayerwiseHyperNetwork(BaseHyperNetwork):
     """h_l(v_i; phi_l) for every layer l of the target: one small pFedHN hypernetwork per layer.
 
@@ -139,6 +146,9 @@ class LayerwiseHyperNetwork(BaseHyperNetwork):
             id(p): p for name in self.layer_names for p in self.layer(name).embedding_parameters()
         }
         return list(unique.values())
+
+    def personal_parameters(self) -> list[nn.Parameter]:
+        return without_bases(self, self.embedding_parameters())
 
 
 class SharedBodyHyperNetwork(BaseHyperNetwork):
@@ -230,6 +240,9 @@ class SharedBodyHyperNetwork(BaseHyperNetwork):
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         return list(self.embeddings.parameters())
+
+    def personal_parameters(self) -> list[nn.Parameter]:
+        return without_bases(self, self.embedding_parameters())
 
 
 class PFedLHN(PFedHN):

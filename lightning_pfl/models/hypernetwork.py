@@ -163,6 +163,12 @@ class BaseHyperNetwork(nn.Module, ABC):
         embedding_ids = {id(p) for p in self.embedding_parameters()}
         return [p for p in self.parameters() if id(p) not in embedding_ids]
 
+    def personal_parameters(self) -> list[nn.Parameter]:
+        """The parameters only one client's generated model reads (client-level DP leaves them
+        unclipped, as that client's own): the embeddings, unless a subclass's embeddings are
+        built from something every client reads."""
+        return self.embedding_parameters()
+
 
 class HyperNetwork(BaseHyperNetwork):
     """h(v_i; phi): maps client ``i``'s embedding v_i to every tensor of a target network.
