@@ -135,3 +135,28 @@ def bias_only(method: FederatedMethod, bias: list[float]) -> dict[str, torch.Ten
     params = {n: torch.zeros_like(t) for n, t in method.arch.initial_params().items()}
     params["fc2.bias"] = torch.tensor(bias)
     return params
+
+
+def assert_same_trained_state(a: FederatedMethod, b: FederatedMethod, store: bool = True) -> None:
+    """``a`` and ``b`` hold bit-identical tensors: every module tensor, and with ``store`` every
+    per-client field of the client store."""
+    for key, tensor in a.state_dict().items():
+        assert torch.equal(tensor, b.state_dict()[key]), key
+    if store:
+        for field, tensors in a.store.state_dict().items():
+            for key, tensor in tensors.items():
+                assert torch.equal(tensor, b.store.state_dict()[field][key]), (field, key)
+
+
+def round_updates_beyond(
+    method: FederatedMethod, clip: float
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Run round 0 and return each sampled client's update (trained - received, [C, ...]) and
+    its norm, asserting every update is longer than ``clip`` (so that a DP clip binds)."""
+    trained = capture_local_training(method)
+    before = {n: p.detach().clone() for n, p in method.net.named_parameters()}
+    method.run_round(0, method.sample_clients(0))
+    deltas = {n: trained[0].params[n] - before[n] for n in before}
+    norms = torch.cat([d.flatten(1) for d in deltas.values()], 1).norm(dim=1)
+    assert (norms > clip).all(), "the check needs updates that the clip shortens"
+    return deltas, norms

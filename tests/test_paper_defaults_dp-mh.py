@@ -19,7 +19,13 @@ from lightning_pfl.methods.mh_pfedhng import MHPFedHNG
 from lightning_pfl.methods.mh_pfedhngd import MHPFedHNGD
 from lightning_pfl.privacy import ClientDP, PrivacyAccountant
 from tests.conftest import build, digits_data, fit
-from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential, run_dir
+from tests.helpers import (
+    CONF,
+    assert_resume_is_exact,
+    assert_same_trained_state,
+    assert_vectorized_equals_sequential,
+    run_dir,
+)
 from tests.test_bad_inputs import run_cli
 from tests.test_mh_pfedhn import SMALL, TINY
 
@@ -145,11 +151,7 @@ def test_no_noise_and_no_clip_is_the_run_without_dp_bit_for_bit(head_sharing: st
 
     plain, private = trained(), trained(client_dp=NO_DP)
     assert private.record.extra_results["privacy"]["epsilon"] == math.inf
-    for name, tensor in plain.state_dict().items():
-        assert torch.equal(tensor, private.state_dict()[name]), name
-    for field, tensors in plain.store.state_dict().items():
-        for name, tensor in tensors.items():
-            assert torch.equal(tensor, private.store.state_dict()[field][name]), (field, name)
+    assert_same_trained_state(plain, private)
     noisy = trained(client_dp=ClientDP(1e-3, 10.0))  # the check sees a changed run
     assert not torch.equal(noisy.dp_shared[0], plain.dp_shared[0])  # mlp.0.weight
 

@@ -31,8 +31,10 @@ from tests.conftest import build, digits_data, fit
 from tests.helpers import (
     CONF,
     assert_resume_is_exact,
+    assert_same_trained_state,
     assert_vectorized_equals_sequential,
     capture_local_training,
+    round_updates_beyond,
     run_dir,
 )
 from tests.test_bad_inputs import run_cli
@@ -150,12 +152,7 @@ def test_fedavg_round_applies_the_mean_of_the_clipped_updates() -> None:
     dm = digits_data(6)
     clip = 0.05
     method = build(FedAvg, dm, clients_per_round=3, client_dp=ClientDP(0.0, clip))
-    trained = capture_local_training(method)
-    before = {n: p.detach().clone() for n, p in method.net.named_parameters()}
-    method.run_round(0, method.sample_clients(0))
-    deltas = {n: trained[0].params[n] - before[n] for n in before}
-    norms = torch.cat([d.flatten(1) for d in deltas.values()], 1).norm(dim=1)
-    assert (norms > clip).all(), "the check needs updates that the clip shortens"
+    deltas, norms = round_updates_beyond(method, clip)
     for n, p in method.net.named_parameters():  # grad = w - (w + mean_k clip(Delta_k))
         clipped = deltas[n] * (clip / norms).view(-1, *[1] * (deltas[n].dim() - 1))
         torch.testing.assert_close(p.grad, -clipped.mean(0), rtol=1e-4, atol=1e-7)
@@ -299,8 +296,7 @@ def test_hypernetwork_without_noise_and_clip_is_the_run_without_dp_bit_for_bit(
 
     plain, private = trained(), trained(client_dp=NO_DP)
     assert private.record.extra_results["privacy"]["epsilon"] == math.inf
-    for name, tensor in plain.state_dict().items():
-        assert torch.equal(tensor, private.state_dict()[name]), name
+    assert_same_trained_state(plain, private, store=False)
     noisy = trained(client_dp=ClientDP(1e-3, 10.0))  # the check sees a changed run
     assert not torch.equal(noisy.state_dict()["hnet.mlp.0.weight"], plain.hnet.mlp[0].weight)
 
@@ -317,11 +313,7 @@ def test_no_noise_and_no_clip_is_the_run_without_dp_bit_for_bit(cls: type[FedAvg
 
     plain, private = trained(), trained(client_dp=NO_DP)
     assert private.record.extra_results["privacy"]["epsilon"] == math.inf
-    for name, tensor in plain.state_dict().items():
-        assert torch.equal(tensor, private.state_dict()[name]), name
-    for field, tensors in plain.store.state_dict().items():
-        for name, tensor in tensors.items():
-            assert torch.equal(tensor, private.store.state_dict()[field][name]), (field, name)
+    assert_same_trained_state(plain, private)
     noisy = trained(client_dp=ClientDP(1e-3, 10.0))  # the check sees a changed run
     assert not torch.equal(noisy.net.conv1.weight, plain.net.conv1.weight)  # shared by both
 

@@ -17,7 +17,7 @@ from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.partition import IID
 from lightning_pfl.privacy import REFUSED, ClientDP
 from tests.conftest import build, digits_data, fit
-from tests.helpers import capture_local_training
+from tests.helpers import assert_same_trained_state, round_updates_beyond
 from tests.test_conditions import concrete_methods, conf_of
 
 NO_DP = ClientDP(noise_multiplier=0.0, clip_norm=math.inf)
@@ -71,11 +71,7 @@ def test_no_noise_and_no_clip_is_the_run_without_dp_bit_for_bit(name: str) -> No
     cls = getattr(methods, name)
     plain, private = tiny(cls, 3), tiny(cls, 3, client_dp=NO_DP)
     assert private.record.extra_results["privacy"]["epsilon"] == math.inf
-    for key, tensor in plain.state_dict().items():
-        assert torch.equal(tensor, private.state_dict()[key]), key
-    for field, tensors in plain.store.state_dict().items():
-        for key, tensor in tensors.items():
-            assert torch.equal(tensor, private.store.state_dict()[field][key]), (field, key)
+    assert_same_trained_state(plain, private)
     noisy = tiny(cls, 3, client_dp=ClientDP(1e-3, 10.0))  # the check sees a changed run
     assert any(not torch.equal(t, noisy.state_dict()[k]) for k, t in plain.state_dict().items())
 
@@ -84,12 +80,7 @@ def test_feddyn_h_moves_by_the_clipped_sum() -> None:
     """h^1 = -alpha / m sum_k clip(theta_k - theta^0) and theta^1 = mean clip - h^1 / alpha."""
     clip = 0.05
     method = tiny(methods.FedDyn, client_dp=ClientDP(0.0, clip))
-    trained = capture_local_training(method)
-    before = {n: p.detach().clone() for n, p in method.net.named_parameters()}
-    method.run_round(0, method.sample_clients(0))
-    deltas = {n: trained[0].params[n] - before[n] for n in before}
-    norms = torch.cat([d.flatten(1) for d in deltas.values()], 1).norm(dim=1)
-    assert (norms > clip).all(), "the check needs updates that the clip shortens"
+    deltas, norms = round_updates_beyond(method, clip)
     alpha, m = method.hp.alpha, method.num_training_clients
     for n, p in method.net.named_parameters():
         clipped = deltas[n] * (clip / norms).view(-1, *[1] * (deltas[n].dim() - 1))
