@@ -16,7 +16,7 @@ A method's round that implements this is marked :func:`privatizes` (with what it
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.models.hypernetwork import set_delta_gradients
 
 if TYPE_CHECKING:
     from lightning_pfl.methods.base import FederatedMethod
@@ -292,6 +293,61 @@ def gaussian_noise(like: Mapping[str, Tensor], std: float, generator: torch.Gene
         n: torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * std
         for n, t in like.items()
     }
+
+
+def set_private_delta_gradients(
+    shared: Sequence[torch.nn.Parameter],
+    personal: Sequence[torch.nn.Parameter],
+    generated: Sequence[Tensor],
+    deltas: Sequence[Tensor],
+    owners: Sequence[Tensor],
+    count: int,
+    dp: ClientDP,
+    expected: int,
+    generator: torch.Generator,
+    max_norm: float | None,
+) -> None:
+    """DP-FedAvg on a hypernetwork's ``shared`` parameters: grad = (sum_i f_i c_i +
+    N(0, z^2 S^2 I)) / qN with c_i = (d g_i / d shared)^T delta_i and f_i = min(1, S / ||c_i||),
+    the norm over every shared tensor; grad of ``personal`` as without DP (weights 1 / C).
+
+    ``generated[k]`` (stacked rows with their graph) holds the rows of clients ``owners[k]``
+    (indices into the round's ``count`` = C clients), ``deltas[k]`` their deltas, ``expected``
+    is qN. The
+    norms come from one batched backward (batch b of the output gradients holds client b's
+    deltas in its rows only); the clipped sum is then the gradient of the surrogate with
+    weights f_i / qN, one backward, so that with f_i = 1 (and qN = C) it is the gradient
+    without DP bit for bit. The noise is on every shared tensor, also one no client of the
+    round read. Each part is then clipped to ``max_norm`` on its own, so that the shared step
+    does not depend on the personal part's unclipped gradients."""
+    rows = torch.eye(count, device=generated[0].device)
+    batched = [
+        rows[:, o].view(count, len(o), *([1] * (d.dim() - 1))) * d.to(g.dtype).unsqueeze(0)
+        for o, g, d in zip(owners, generated, deltas, strict=True)
+    ]
+    per_client = torch.autograd.grad(
+        list(generated),
+        list(shared),
+        batched,
+        retain_graph=True,
+        allow_unused=True,
+        is_grads_batched=True,
+    )
+    used = {str(i): g for i, g in enumerate(per_client) if g is not None}
+    factors = clip_factors(used, dp.clip_norm).to(generated[0].dtype)
+    weights = factors * (1.0 / expected)
+    set_delta_gradients(shared, generated, deltas, [weights[o] for o in owners], None, True)
+    if dp.noise_multiplier > 0:
+        std = dp.noise_multiplier * dp.clip_norm
+        noise = gaussian_noise({str(i): p for i, p in enumerate(shared)}, std, generator)
+        for i, p in enumerate(shared):
+            scaled = noise[str(i)] / expected
+            p.grad = scaled if p.grad is None else p.grad + scaled
+    uniform = torch.full((count,), 1.0 / count, device=generated[0].device)
+    set_delta_gradients(personal, generated, deltas, [uniform[o] for o in owners], None)
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(shared, max_norm)
+        torch.nn.utils.clip_grad_norm_(personal, max_norm)
 
 
 def private_uploads(

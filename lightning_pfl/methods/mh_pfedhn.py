@@ -47,7 +47,7 @@ from lightning_pfl.models.multihead_hypernetwork import (
     MultiHeadHyperNetwork,
 )
 from lightning_pfl.novel_adaptation import NovelAdaptation
-from lightning_pfl.privacy import clip_factors, gaussian_noise, privatizes
+from lightning_pfl.privacy import privatizes, set_private_delta_gradients
 from lightning_pfl.streams import CONSTRAINED_STREAM, ORDER_STREAM
 from lightning_pfl.validation import (
     Momentum,
@@ -376,51 +376,27 @@ class MHPFedHN(FederatedMethod):
     def private_server_gradients(
         self, generated: list[Tensor], deltas: list[Tensor], generator: torch.Generator
     ) -> None:
-        """DP-FedAvg on the shared part phi_s (``client_dp``): grad(phi_s) = (sum_i f_i c_i +
-        N(0, z^2 S^2 I)) / qN with c_i = (d g_i / d phi_s)^T delta_i and f_i = min(1, S /
-        ||c_i||), the norm over every shared tensor (zero where client i reads none). The norms
-        come from one batched backward (batch b of the output gradients holds client b's delta
-        in its row only); the clipped sum is then the gradient of the surrogate with weights
-        f_i / qN, one backward, so that with f_i = 1 it is the round's gradient without DP
-        bit for bit. The noise is on every shared tensor, also one no client of the round read.
-        grad of the personal part (embeddings, single-reader heads) as without DP (weights
-        1 / C). Each part is clipped to ``hn_max_grad_norm`` on its own, so that phi_s's step
-        does not depend on the personal part's unclipped gradients."""
+        """DP-FedAvg on the shared part phi_s (``client_dp``: its MLP and every head more
+        than one client reads; zero contribution where client i reads none), the personal part
+        (embeddings, single-reader heads) as without DP:
+        :func:`~lightning_pfl.privacy.set_private_delta_gradients`, group j's generated tensor
+        holding the rows of its clients."""
         dp = self.client_dp
         assert dp is not None, "client_dp is not set"
         sizes = [len(g) for g in generated]
-        count = sum(sizes)
-        rows = torch.eye(count, device=self.device).split(sizes, dim=1)  # [count, C_j] each
-        batched = [
-            r.view(count, c, 1) * d.to(g.dtype).unsqueeze(0)
-            for r, c, g, d in zip(rows, sizes, generated, deltas, strict=True)
-        ]
-        per_client = torch.autograd.grad(
-            generated,
+        owners = torch.arange(sum(sizes), device=self.device).split(sizes)  # group j's rows
+        set_private_delta_gradients(
             self.dp_shared,
-            batched,
-            retain_graph=True,
-            allow_unused=True,
-            is_grads_batched=True,
+            self.dp_personal,
+            generated,
+            deltas,
+            list(owners),
+            sum(sizes),
+            dp,
+            self.hp.clients_per_round,  # qN: the simulation samples exactly that many
+            generator,
+            self.hp.hn_max_grad_norm,
         )
-        used = {str(i): g for i, g in enumerate(per_client) if g is not None}
-        factors = clip_factors(used, dp.clip_norm).to(generated[0].dtype)
-        expected = self.hp.clients_per_round  # qN: the simulation samples exactly that many
-        weights = list((factors * (1.0 / expected)).split(sizes))
-        set_delta_gradients(self.dp_shared, generated, deltas, weights, None, retain_graph=True)
-        if dp.noise_multiplier > 0:
-            std = dp.noise_multiplier * dp.clip_norm
-            noise = gaussian_noise(
-                {str(i): p for i, p in enumerate(self.dp_shared)}, std, generator
-            )
-            for i, p in enumerate(self.dp_shared):
-                scaled = noise[str(i)] / expected
-                p.grad = scaled if p.grad is None else p.grad + scaled
-        uniform = torch.full((count,), 1.0 / count, device=self.device)
-        set_delta_gradients(self.dp_personal, generated, deltas, list(uniform.split(sizes)), None)
-        if self.hp.hn_max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.dp_shared, self.hp.hn_max_grad_norm)
-            torch.nn.utils.clip_grad_norm_(self.dp_personal, self.hp.hn_max_grad_norm)
 
     # ----------------------------------------------------------------- the round
     @privatizes(

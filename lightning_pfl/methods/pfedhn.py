@@ -21,7 +21,7 @@ from lightning_pfl.models.hypernetwork import (
     steps_in_turn,
 )
 from lightning_pfl.novel_adaptation import ADAPTS_NOVEL_CLIENTS, NovelAdaptation
-from lightning_pfl.privacy import clip_factors, gaussian_noise, privatizes
+from lightning_pfl.privacy import privatizes, set_private_delta_gradients
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -232,48 +232,30 @@ class PFedHN(FederatedMethod):
     def set_private_gradients(
         self, generated: Params, delta: Params, generator: torch.Generator
     ) -> None:
-        """DP-FedAvg on the shared hypernetwork phi (every parameter but the personal ones,
-        ``personal_parameters``: the embeddings v_i, or a mixed embedding's coefficients c_i,
-        whose basis every client reads): grad(phi) = (sum_i f_i J_i^T delta_i +
-        N(0, z^2 S^2 I)) / qN with f_i = min(1, S / ||J_i^T delta_i||). The norms come from one
-        batched backward (batch b of the output gradients holds delta_b in row b only); the
-        clipped sum is then the gradient of the surrogate with weights f_i / qN, one backward,
-        so that with f_i = 1 (and qN = C) it is the gradient without DP bit for bit. grad(v) as
-        without DP (weights 1 / C). Each part is then clipped to ``hn_max_grad_norm`` on its
-        own, so that phi's step does not depend on the embeddings' unclipped gradients."""
+        """DP-FedAvg on the shared hypernetwork phi, every parameter but the personal ones
+        (``personal_parameters``: the embeddings v_i, or a mixed embedding's coefficients c_i,
+        whose basis every client reads): :func:`~lightning_pfl.privacy.set_private_delta_gradients`,
+        every generated tensor holding one row per client."""
         dp = self.client_dp
         assert dp is not None, "client_dp is not set"
         embeddings = [p for p in self.hnet.personal_parameters() if p.requires_grad]
         personal = {id(p) for p in embeddings}
         body = [p for p in self.hnet.parameters() if p.requires_grad and id(p) not in personal]
         outputs = list(generated.values())
-        deltas = list(delta.values())
         count = len(outputs[0])
-        rows = torch.eye(count, device=outputs[0].device)
-        batched = [
-            rows.view(count, count, *([1] * (d.dim() - 1))) * d.to(g.dtype).unsqueeze(0)
-            for g, d in zip(outputs, deltas, strict=True)
-        ]
-        per_client = torch.autograd.grad(
-            outputs, body, batched, retain_graph=True, allow_unused=True, is_grads_batched=True
+        every = torch.arange(count, device=outputs[0].device)  # each tensor has every client's row
+        set_private_delta_gradients(
+            body,
+            embeddings,
+            outputs,
+            list(delta.values()),
+            [every] * len(outputs),
+            count,
+            dp,
+            self.hp.clients_per_round,  # qN: the simulation samples exactly that many
+            generator,
+            self.hp.hn_max_grad_norm,
         )
-        used = {str(i): g for i, g in enumerate(per_client) if g is not None}
-        factors = clip_factors(used, dp.clip_norm).to(outputs[0].dtype)
-        expected = self.hp.clients_per_round  # qN: the simulation samples exactly that many
-        weights = factors * (1.0 / expected)
-        set_delta_gradients(body, outputs, deltas, [weights] * len(outputs), None, True)
-        if dp.noise_multiplier > 0:
-            noise = gaussian_noise(
-                {i: body[int(i)] for i in used}, dp.noise_multiplier * dp.clip_norm, generator
-            )
-            for i, n in noise.items():
-                p = body[int(i)]
-                p.grad = n / expected if p.grad is None else p.grad + n / expected
-        uniform = torch.full((count,), 1.0 / count, device=outputs[0].device)
-        set_delta_gradients(embeddings, outputs, deltas, [uniform] * len(outputs), None)
-        if self.hp.hn_max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(body, self.hp.hn_max_grad_norm)
-            torch.nn.utils.clip_grad_norm_(embeddings, self.hp.hn_max_grad_norm)
 
     def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:
         """Section 5.3: a novel client adapts only its embedding v_i (the hypernetwork phi is
