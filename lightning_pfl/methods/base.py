@@ -35,7 +35,7 @@ from lightning_pfl.metrics import ClientAccuracy
 from lightning_pfl.models import build_network
 from lightning_pfl.novel_adaptation import NovelAdaptationHooks
 from lightning_pfl.participation import Participation
-from lightning_pfl.privacy import EPSILON_KEY, ClientDP, PrivacyAccountant
+from lightning_pfl.privacy import EPSILON_KEY, ClientDP, PrivacyAccountant, private_uploads
 from lightning_pfl.reporting import report_partition
 from lightning_pfl.run_record import PendingLoss, RunRecord, hparams_table, log_hparams_table
 from lightning_pfl.streams import DROPOUT_STREAM, INIT_STREAM, NOISE_STREAM, SERVER_INIT_STREAM
@@ -281,6 +281,16 @@ class FederatedMethod(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.hp.seed, stream))
             yield
+
+    def dp_uploads(self, round_idx: int, sent: Params, uploaded: Params) -> tuple[Params, Tensor]:
+        """DP-FedAvg's uploads of round ``round_idx`` (``client_dp``: clipped updates, the
+        round's noise in their mean) and their weights: w_k = 1 over the fixed denominator qN,
+        exactly ``clients_per_round`` here (the simulation samples that many)."""
+        assert self.client_dp is not None, "client_dp is not set"
+        generator = self.client_dp_generator(round_idx)
+        private = private_uploads(sent, uploaded, self.client_dp, generator)
+        count = len(next(iter(uploaded.values())))
+        return private, torch.full((count,), 1.0 / self.hp.clients_per_round, dtype=torch.float64)
 
     def client_dp_generator(self, round_idx: int) -> torch.Generator:
         """The seeded generator of round ``round_idx``'s DP noise (``client_dp``); records the

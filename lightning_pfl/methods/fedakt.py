@@ -15,7 +15,7 @@ from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedgh import HeterogeneousModels
 from lightning_pfl.models import build_network
 from lightning_pfl.params import client_mean
-from lightning_pfl.privacy import private_uploads, privatizes
+from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import NonNegativeFloat
 
 
@@ -140,14 +140,10 @@ class FedAKT(HeterogeneousModels):
             return result.loss
 
         losses = self.groups.train_groups(clients, train)
-        dp, received = self.client_dp, trained
-        if dp is None:
-            weights = self.client_weights(clients)
-        else:  # FedAvg's DP on the adapter: w_k = 1 over qN = clients_per_round
-            received = private_uploads(sent, trained, dp, self.client_dp_generator(round_idx))
-            weights = torch.full(
-                (len(clients),), 1.0 / self.hp.clients_per_round, dtype=torch.float64
-            )
+        if self.client_dp is None:
+            received, weights = trained, self.client_weights(clients)
+        else:  # FedAvg's DP on the adapter
+            received, weights = self.dp_uploads(round_idx, sent, trained)
         for n in received:
             mean = client_mean(received[n], weights)
             state[n].grad = state[n].detach() - mean.to(state[n].dtype)

@@ -14,7 +14,7 @@ from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.models import build_network
 from lightning_pfl.novel_adaptation import NovelAdaptation
 from lightning_pfl.params import client_mean
-from lightning_pfl.privacy import private_uploads, privatizes
+from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
 
@@ -134,12 +134,7 @@ class FedAvg(FederatedMethod):
             if not self.nothing_arrived(clients, round_idx):
                 self.aggregate(uploaded, self.client_weights(clients, round_idx))
         else:
-            # DP-FedAvg's fixed denominator qN with w_k = 1: exactly clients_per_round here.
-            generator = self.client_dp_generator(round_idx)
-            uniform = torch.full(
-                (len(clients),), 1.0 / self.hp.clients_per_round, dtype=torch.float64
-            )
-            self.aggregate(private_uploads(sent, uploaded, dp, generator), uniform)
+            self.aggregate(*self.dp_uploads(round_idx, sent, uploaded))
         self.record_communication(down=sent, up=uploaded)
         return result.loss
 

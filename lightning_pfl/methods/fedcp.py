@@ -13,7 +13,7 @@ from lightning_pfl.engine import Params, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedproto import feature_dim
-from lightning_pfl.privacy import private_uploads, privatizes
+from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat
 
 CPN, GLOBAL, FROZEN, CONTEXT = "cpn.", "global_head.", "global_body.", "context"
@@ -143,15 +143,10 @@ class FedCP(FedAvg):
         self.store.scatter("personal", clients, heads | {CONTEXT: heads[weight].sum(1)})
         uploaded = {n: result.params[n] for n in shared}
         uploaded |= {n: 0.5 * (heads[n] + sent[n]) for n in self.arch.head_names}
-        dp = self.client_dp
-        if dp is None:
+        if self.client_dp is None:
             self.aggregate(uploaded, self.client_weights(clients))
-        else:  # as FedAvg's: w_k = 1 over qN = clients_per_round
-            generator = self.client_dp_generator(round_idx)
-            uniform = torch.full(
-                (len(clients),), 1.0 / self.hp.clients_per_round, dtype=torch.float64
-            )
-            self.aggregate(private_uploads(sent, uploaded, dp, generator), uniform)
+        else:  # as FedAvg's
+            self.aggregate(*self.dp_uploads(round_idx, sent, uploaded))
         self.record_communication(down=sent, up=uploaded)
         return result.loss
 

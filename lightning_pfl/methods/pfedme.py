@@ -13,7 +13,7 @@ from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult, wei
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
 from lightning_pfl.losses import linear_surrogate
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.privacy import private_uploads, privatizes
+from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -131,15 +131,12 @@ class PFedMe(FedAvg):
         sent = self.payload(trained)
         result = self.train_clients(round_idx, trained, {n: t.clone() for n, t in sent.items()})
         uploaded = {n: result.params[n][rows] for n in sent}
-        dp = self.client_dp
-        if dp is None:
+        if self.client_dp is None:
             weights = self.client_weights(clients, uniform=h.aggregation == "uniform")
             self.aggregate(uploaded, weights)
         else:
-            generator = self.client_dp_generator(round_idx)
             received = {n: t[rows] for n, t in sent.items()}
-            weights = torch.full((len(clients),), 1.0 / h.clients_per_round, dtype=torch.float64)
-            self.aggregate(private_uploads(received, uploaded, dp, generator), weights)
+            self.aggregate(*self.dp_uploads(round_idx, received, uploaded))
         self.record_communication(down=sent, up=uploaded)
         if h.local_updates == "all":
             self.refuse_non_finite(result.loss, trained, round_idx)
