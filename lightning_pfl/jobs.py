@@ -370,13 +370,13 @@ def summarize(
 ) -> dict[str, Any]:
     """Mean and population std over seeds of every reported metric per grid point, and the
     best point by the mean validation ``select_metric`` at the best round."""
-    # keyed by the point's JSON: grid values may be lists or dicts (FedU's adjacency)
+    # keyed by the point's canonical JSON: grid values may be lists or dicts (FedU's adjacency)
     points: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
     for spec, path in zip(specs, results_paths, strict=True):
         if path is None or not path.exists():
             continue
         point = dict(spec.point)
-        entry = points.setdefault(json.dumps(point, sort_keys=True), (point, []))
+        entry = points.setdefault(_canonical(point), (point, []))
         entry[1].append(json.loads(path.read_text()))
     rows = []
     for point, results in points.values():
