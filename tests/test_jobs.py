@@ -294,36 +294,49 @@ def _checkpoint(method: FederatedMethod) -> dict[str, Any]:
 
 
 ONE_BY_ONE = {"vectorize": False, "client_threads": 1}
-# vmap trains both runs' clients in one batch: checked on a method of each kind (the one-by-one
-# table below checks every method's plumbing bit for bit)
-VMAP_CASES = {"fedavg", "ditto", "pfedhn", "fedsimsup", "mh_pfedhn", "fedrep"}
+# the batched paths: both runs' clients in one vmap, or spread over the threaded loop
+BATCHED = {"vmap": {"vectorize": True}, "threads": {"vectorize": False, "client_threads": 2}}
+
+
+def _assert_same_checkpoints(
+    alone: list[FederatedMethod], together: list[FederatedMethod], path: str, exact: bool
+) -> None:
+    for a, b in zip(alone, together, strict=True):
+        sa, sb = _checkpoint(a), _checkpoint(b)
+        assert sa.keys() == sb.keys()
+        for name, value in sa.items():
+            if not isinstance(value, torch.Tensor):
+                assert sb[name] == value, f"{path}: {name}"
+            elif exact:
+                assert torch.equal(sb[name], value), f"{path}: {name}"
+            else:
+                where = f"{path}: {name}"
+                torch.testing.assert_close(
+                    sb[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}"
+                )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_a_job_trains_every_method_as_its_runs_alone(case: Case) -> None:
-    """Two seeds (split and training) of every method: one by one, the runs of a job end bit
-    for bit where the runs alone do (everything a checkpoint holds: model, server optimizer,
-    per-client state, record); on vmap (both runs' clients in one batch) up to float rounding.
-    Where the method's jobs can share a computation, they did."""
+    """Two seeds (split and training) of every method, on each path, as a job and alone: the
+    runs end where they end alone (everything a checkpoint holds: model, server optimizer,
+    per-client state, record), bit for bit one by one and on the threaded loop, up to float
+    rounding on vmap (both runs' clients in one batch). Where the method's jobs can share a
+    computation, they did."""
     datas = [digits_data(case.num_clients, seed=seed, **case.data) for seed in (0, 1)]
-    paths = [(ONE_BY_ONE, True)] + ([({"vectorize": True}, False)] if case.id in VMAP_CASES else [])
-    for path, exact in paths:
-        alone, together = _runs(case, path, datas), _runs(case, path, datas)
+    for name, path in [("one by one", ONE_BY_ONE), *BATCHED.items()]:
+        try:
+            alone = _runs(case, path, datas)
+        except ConfigError as refused:  # e.g. FedCP's Gumbel noise on the threaded loop
+            assert name == "threads" and "client_threads" in str(refused)
+            continue
+        together = _runs(case, path, datas)
         _train(alone, case.rounds, together=False)
         lockstep = _train(together, case.rounds, together=True)
         assert lockstep is not None
-        for a, b in zip(alone, together, strict=True):
-            sa, sb = _checkpoint(a), _checkpoint(b)
-            assert sa.keys() == sb.keys()
-            for name, value in sa.items():
-                if not isinstance(value, torch.Tensor):
-                    assert sb[name] == value, f"{path}: {name}"
-                elif exact:
-                    assert torch.equal(sb[name], value), f"{path}: {name}"
-                else:
-                    torch.testing.assert_close(sb[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        _assert_same_checkpoints(alone, together, name, exact=name != "vmap")
         if not lockstep.apart_reasons:  # else the job trains them one after another
-            assert lockstep.groups_trained < lockstep.submissions
+            assert lockstep.groups_trained < lockstep.submissions, name
 
 
 # ----------------------------------------------------------------- the CLI
@@ -465,10 +478,24 @@ def _job_results(save_dir: Path) -> dict[str, Any]:
     return {s: _results(folder / s / "version_0" / "results.json") for s in ("seed_0", "seed_1")}
 
 
-def test_an_interrupted_job_resumes_to_the_results_of_an_uninterrupted_one(tmp_path: Path) -> None:
-    run([*JOB, f"--trainer.logger.init_args.save_dir={tmp_path / 'straight'}"])
+@pytest.fixture(scope="module")
+def uninterrupted_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    save_dir = tmp_path_factory.mktemp("straight")
+    run([*JOB, f"--trainer.logger.init_args.save_dir={save_dir}"])
+    return _job_results(save_dir)
+
+
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"]
+)
+def test_an_interrupted_job_resumes_to_the_results_of_an_uninterrupted_one(
+    tmp_path: Path, uninterrupted_job: dict[str, Any], signum: signal.Signals
+) -> None:
+    """SIGTERM and SIGINT stop the job at a round boundary with every run's last.ckpt saved;
+    SIGKILL (a crash) leaves the periodic checkpoints of round 9. Either way ``--ckpt_path
+    last`` ends the job where the uninterrupted one ends."""
     command = [sys.executable, str(ROOT / "cli.py"), *JOB]
-    command.append(f"--trainer.logger.init_args.save_dir={tmp_path / 'stopped'}")
+    command.append(f"--trainer.logger.init_args.save_dir={tmp_path}")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
@@ -477,14 +504,16 @@ def test_an_interrupted_job_resumes_to_the_results_of_an_uninterrupted_one(tmp_p
         validated += line.startswith("round 10/")
         if validated == 2:
             break
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     _, err = process.communicate(timeout=300)
-    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert "2 of 2 runs stopped" in err and "--ckpt_path last" in err
-    stopped = tmp_path / "stopped" / "conf" / "fedavg"
-    assert not (stopped / "job.json").exists()
-    run([*JOB, f"--trainer.logger.init_args.save_dir={tmp_path / 'stopped'}", "--ckpt_path=last"])
-    assert _job_results(tmp_path / "stopped") == _job_results(tmp_path / "straight")
+    if signum == signal.SIGKILL:
+        assert process.returncode == -signal.SIGKILL
+    else:
+        assert process.returncode == 128 + signum, err[-2000:]
+        assert "2 of 2 runs stopped" in err and "--ckpt_path last" in err
+    assert not (tmp_path / "conf" / "fedavg" / "job.json").exists()
+    run([*JOB, f"--trainer.logger.init_args.save_dir={tmp_path}", "--ckpt_path=last"])
+    assert _job_results(tmp_path) == uninterrupted_job
 
 
 def test_a_job_without_validation_summarizes_the_last_evaluations(tmp_path: Path) -> None:
