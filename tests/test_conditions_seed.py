@@ -152,9 +152,11 @@ def test_the_global_model_is_the_weighted_mean_of_the_uploads_that_arrived(name:
     clients, captured = one_round(method, r)
     n = method.data.num_samples("train")[clients].double() * method.arrived(clients, r)
     uploads = captured[-1].params
-    checked = [key for key, p in method.net.named_parameters() if p.grad is not None]
+    net = method.net
+    assert isinstance(net, torch.nn.Module)
+    checked = [key for key, p in net.named_parameters() if p.grad is not None]
     assert checked and set(checked) <= set(uploads)
-    for key, p in method.net.named_parameters():
+    for key, p in net.named_parameters():
         if p.grad is not None:
             expected = torch.einsum("c,c...->...", n / n.sum(), uploads[key].double())
             torch.testing.assert_close(p.detach().double() - p.grad.double(), expected)
