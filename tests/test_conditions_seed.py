@@ -13,9 +13,15 @@ import torch
 from lightning_pfl.conditions import Conditions, Stragglers
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods.ccvr import CCVR
+from lightning_pfl.methods.fedcp import FedCP
+from lightning_pfl.methods.fedem import FedEM
 from lightning_pfl.methods.fedphp import FedPHP
 from lightning_pfl.methods.fedtp import FedTP, FedTPKNN, FedTPPer, FedTPRoD
+from lightning_pfl.methods.knn_per import KNNPer
+from lightning_pfl.methods.mapper import MAPPER
 from lightning_pfl.methods.moon import MOON
+from lightning_pfl.methods.pfedgp import PFedGP
 from lightning_pfl.methods.pfedhn_pc import PFedHNPC
 from lightning_pfl.methods.pfedkt import PFedKT
 from lightning_pfl.methods.vanilla_pt import VanillaPersonalizedT
@@ -40,6 +46,12 @@ ROWS: dict[str, tuple[type[FederatedMethod], dict[str, Any]]] = {
     "PFedKT": (PFedKT, {"local_epochs": None}),
     "MOON": (MOON, {"local_epochs": None, "batch_size": 8}),
     "FedPHP": (FedPHP, {}),
+    "KNNPer": (KNNPer, {"knn_weight": 0.5}),
+    "MAPPER": (MAPPER, {"schedule": "joint"}),
+    "PFedGP": (PFedGP, {}),
+    "FedEM": (FedEM, {}),
+    "FedCP": (FedCP, {}),
+    "CCVR": (CCVR, {}),
 }
 # the rows whose clients keep state between rounds (client store fields), with the fields
 # that a client that arrived may leave as they were (flags already set)
@@ -51,10 +63,13 @@ STATEFUL: dict[str, set[str]] = {
     "PFedKT": {"visited"},
     "MOON": set(),
     "FedPHP": set(),
+    "MAPPER": set(),
+    "FedEM": set(),
+    "FedCP": set(),
 }
 
 # the rows whose server update is not the weighted mean of the trained network tensors
-NOT_A_MEAN = {"PFedHNPC"}
+NOT_A_MEAN = {"PFedHNPC", "MAPPER", "FedCP"}
 
 
 def built(name: str, clients_per_round: int, **kwargs: Any) -> FederatedMethod:
