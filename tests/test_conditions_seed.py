@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_pfl.conditions import Conditions, Stragglers
+from lightning_pfl.conditions import Conditions, Stragglers, straggler_steps
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.methods.ccvr import CCVR
@@ -190,6 +190,20 @@ def test_a_round_where_nothing_arrives_leaves_the_server_alone(name: str) -> Non
     for field, tensors in method.store.fields.items():
         for key, tensor in tensors.items():
             assert torch.equal(tensor, stored[field][key]), (field, key)
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_a_straggler_takes_exactly_its_drawn_steps(name: str) -> None:
+    steps = 7
+    conditions = Conditions(stragglers=Stragglers(rate=0.7, fraction=0.9, min_fraction=0.1))
+    method = built(name, 5, local_steps=steps, conditions=conditions)
+    assert method.unreliable is not None
+    torch.manual_seed(0)
+    clients, captured = one_round(method, 0)
+    fraction = method.unreliable.draws(0).fraction[clients]
+    assert (fraction < 1).any()
+    expected = [straggler_steps(float(f), steps) for f in fraction]
+    assert all(result.steps.tolist() == expected for result in captured), name
 
 
 @pytest.mark.parametrize("config", ["pfedhn_pc.yaml", "fedphp.yaml"])
