@@ -98,6 +98,8 @@ class CCVR(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         virtual_per_class: PositiveInt = 200,

@@ -13,6 +13,7 @@ from lightning_pfl.engine import Params, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedproto import feature_dim
+from lightning_pfl.methods.pfedkt import where_arrived
 from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat
 
@@ -68,6 +69,8 @@ class FedCP(FedAvg):
             softmax in training too.
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -140,11 +143,14 @@ class FedCP(FedAvg):
         )
         heads = {n: result.params[n] for n in self.arch.head_names}
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))
-        self.store.scatter("personal", clients, heads | {CONTEXT: heads[weight].sum(1)})
+        kept = heads | {CONTEXT: heads[weight].sum(1)}
+        arrived = self.arrived(clients, round_idx)
+        self.store.scatter("personal", clients, where_arrived(arrived, kept, own))
         uploaded = {n: result.params[n] for n in shared}
         uploaded |= {n: 0.5 * (heads[n] + sent[n]) for n in self.arch.head_names}
         if self.client_dp is None:
-            self.aggregate(uploaded, self.client_weights(clients))
+            if not self.nothing_arrived(clients, round_idx):
+                self.aggregate(uploaded, self.client_weights(clients, round_idx))
         else:  # as FedAvg's
             self.aggregate(*self.dp_uploads(round_idx, sent, uploaded))
         self.record_communication(down=sent, up=uploaded)

@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_pfl.components import Components, component_groups
 from lightning_pfl.engine import Architecture, Params, TrainResult
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.methods.pfedkt import where_arrived
 from lightning_pfl.models import build_network
 from lightning_pfl.validation import PositiveInt
 
@@ -60,6 +61,8 @@ class FedEM(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(self, num_components: PositiveInt = 3, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         h = self.hp
@@ -105,8 +108,11 @@ class FedEM(FedAvg):
         return by_size.unsort(total / total.sum(1, keepdim=True))
 
     def train_clients(self, round_idx: int, clients: Tensor, start: Params) -> TrainResult:
-        log_pi = self.store.gather(WEIGHTS, clients, self.device)[WEIGHTS].log()
-        self.store.scatter(WEIGHTS, clients, {WEIGHTS: self.mixture_weights(clients, log_pi)})
+        pi = self.store.gather(WEIGHTS, clients, self.device)
+        log_pi = pi[WEIGHTS].log()
+        updated = {WEIGHTS: self.mixture_weights(clients, log_pi)}
+        arrived = self.arrived(clients, round_idx)
+        self.store.scatter(WEIGHTS, clients, where_arrived(arrived, updated, pi))
         received = {RECEIVED + n: t for n, t in self.payload(clients).items()}
         context = received | {LOG_PI: log_pi}
         return self.local_train(

@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_pfl.engine import Params, TrainResult, weighted_cross_entropy
 from lightning_pfl.losses import distillation_loss, weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.methods.pfedkt import where_arrived
 from lightning_pfl.validation import PositiveFloat, PositiveInt, UnitInterval
 
 
@@ -104,6 +105,8 @@ class FedPHP(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         lam: UnitInterval = 0.1,
@@ -164,8 +167,10 @@ class FedPHP(FedAvg):
         rounds = h.total_rounds or (self.trainer.max_steps if self._trainer is not None else 1)
         participation = h.clients_per_round / h.num_clients
         mu = history_weight(count, h.mu, participation, rounds)
-        self.store.scatter("hpm", clients, moving_average(hpm, result.params, mu))
-        self.store.scatter("count", clients, {"participations": count + 1})
+        arrived = self.arrived(clients, round_idx)
+        updated = moving_average(hpm, result.params, mu)
+        self.store.scatter("hpm", clients, where_arrived(arrived, updated, hpm))
+        self.store.scatter("count", clients, {"participations": count + arrived.to(count)})
         return result
 
     def personalized_params(self, clients: Tensor) -> Params:

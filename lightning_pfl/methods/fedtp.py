@@ -79,6 +79,8 @@ class FedTP(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         embed_dim: PositiveInt = 32,
@@ -162,18 +164,19 @@ class FedTP(FedAvg):
         sent = self.shared_payload(clients)
         start = {n: t.clone() for n, t in (sent | personalized).items()}
         result = self.train_with_personal(round_idx, clients, start)
-        weights = self.client_weights(clients)
         uploaded = {n: result.params[n] for n in sent}
         trained = {n: result.params[n] for n in generated}
-        self.aggregate(uploaded, weights)
-        # grad(phi, v) = sum_i p_i J_i^T (W_i - W~_i), clipped to hn_max_grad_norm
-        set_delta_gradients(
-            list(self.hnet.parameters()),
-            list(generated.values()),
-            [personalized[n] - trained[n] for n in generated],
-            [weights] * len(generated),
-            self.hp.hn_max_grad_norm,
-        )
+        if not self.nothing_arrived(clients, round_idx):
+            weights = self.client_weights(clients, round_idx)
+            self.aggregate(uploaded, weights)
+            # grad(phi, v) = sum_i p_i J_i^T (W_i - W~_i), clipped to hn_max_grad_norm
+            set_delta_gradients(
+                list(self.hnet.parameters()),
+                list(generated.values()),
+                [personalized[n] - trained[n] for n in generated],
+                [weights] * len(generated),
+                self.hp.hn_max_grad_norm,
+            )
         self.record_communication(down=sent | personalized, up=uploaded | trained)
         return result.loss
 
@@ -191,6 +194,8 @@ class FedTP(FedAvg):
 class FedTPPer(FedTP):
     """FedTP+FedPer: generated attention and a classifier each client keeps locally."""
 
+    honours_conditions = True
+
     def personal_names(self) -> tuple[str, ...]:
         return self.arch.head_names
 
@@ -207,6 +212,7 @@ class FedTPRoD(FedTP):
         **kwargs: see :class:`FedTP`.
     """
 
+    honours_conditions = True
     PERSONAL_HEAD = "rod_head"
 
     def __init__(self, **kwargs: Any) -> None:
@@ -271,6 +277,7 @@ class FedTPKNN(FedTP):
         **kwargs: see :class:`FedTP`.
     """
 
+    honours_conditions = True
     MEMORY = ("knn.memory", "knn.labels", "knn.mask")
 
     def __init__(

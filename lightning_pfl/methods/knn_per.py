@@ -53,6 +53,8 @@ class KNNPer(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         knn_weight: UnitInterval | None = None,

@@ -88,6 +88,8 @@ class MAPPER(FedAvg):
             SGD settings; optimizers are fresh every round).
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         schedule: Literal["after_fedavg", "joint"] = "after_fedavg",

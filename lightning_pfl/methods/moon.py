@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from lightning_pfl.engine import Architecture, Params, TrainResult, weighted_cross_entropy
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.methods.pfedkt import where_arrived
 from lightning_pfl.params import prefixed, split_prefixed
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat, PositiveInt
 
@@ -68,6 +69,8 @@ class MOON(FedAvg):
         local_epochs: local epochs E per round (paper: 10; null trains ``local_steps``).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -157,7 +160,8 @@ class MOON(FedAvg):
             loss_fn=self.client_loss,
             context=context,
         )
-        self.store.scatter("previous", clients, result.params)
+        arrived = self.arrived(clients, round_idx)
+        self.store.scatter("previous", clients, where_arrived(arrived, result.params, previous))
         return result
 
     def personalized_params(self, clients: Tensor) -> Params:

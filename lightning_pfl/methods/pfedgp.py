@@ -178,6 +178,8 @@ class PFedGP(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         lengthscale: PositiveFloat = 0.5,

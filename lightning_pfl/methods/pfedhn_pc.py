@@ -33,6 +33,8 @@ class PFedHNPC(PFedHN):
         **kwargs: see :class:`~lightning_pfl.methods.pfedhn.PFedHN`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         head_lr: PositiveFloat | None = None,
@@ -79,8 +81,13 @@ class PFedHNPC(PFedHN):
         delta = {n: body[n] - result.params[n] for n in body}
         if self.client_dp is not None:
             self.set_private_gradients(generated, delta, self.client_dp_generator(round_idx))
-        else:
+        elif self.unreliable is None:
             self.update_hypernetwork(generated, delta)
+        elif not self.nothing_arrived(clients, round_idx):
+            arrived = self.arrived(clients, round_idx)
+            weights = self.client_weights(clients, round_idx, uniform=True)
+            weights = weights.to(next(iter(delta.values())))
+            self.update_hypernetwork(generated, delta, weights, arrived.nonzero().flatten())
         self.record_communication(down=body, up=delta)
         return result.loss
 

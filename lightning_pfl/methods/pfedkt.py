@@ -39,6 +39,14 @@ def logit_distance(target: Tensor, logits: Tensor, kind: Distance, weight: Tenso
     return (d * weight).sum() / weight.sum().clamp_min(1.0)
 
 
+def where_arrived(arrived: Tensor, new: Params, old: Params) -> Params:
+    """``new`` for the clients that reported back (``arrived``, bool ``[C]``), ``old`` for the
+    others: a client that did not arrive ends the round with the state it began it with."""
+    return {
+        n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, old[n]) for n, t in new.items()
+    }
+
+
 class PFedKT(FedAvg):
     """pFedKT (Algorithm 1): each client's private model (PM) comes from its own local HN.
 
@@ -98,6 +106,8 @@ class PFedKT(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: batch 64,
             ``clients_per_round`` = 10% of clients).
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -215,13 +225,16 @@ class PFedKT(FedAvg):
             loss_fn=self.kt_loss,
             context=context,
         )
+        arrived = self.arrived(clients, round_idx)
         if self.uses_hn:
             names = list(self.arch.shapes)
             delta = torch.cat([(pm[n] - result.params[n]).flatten(1) for n in names], 1)
-            self.store.scatter("hn", clients, self.hn_step(hn, delta))
-            self.store.scatter("visited", clients, {"visited": torch.ones_like(clients).bool()})
+            self.store.scatter("hn", clients, where_arrived(arrived, self.hn_step(hn, delta), hn))
+            visited = self.store.gather("visited", clients, self.device)["visited"]
+            self.store.scatter("visited", clients, {"visited": visited | arrived})
         if self.keeps_pm:
-            self.store.scatter("pm", clients, {n: result.params[n] for n in self.arch.shapes})
+            trained = {n: result.params[n] for n in self.arch.shapes}
+            self.store.scatter("pm", clients, where_arrived(arrived, trained, stored))
         return result
 
     def hn_step(self, hn: Params, delta: Tensor) -> Params:

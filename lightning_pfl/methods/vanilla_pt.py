@@ -36,6 +36,8 @@ class VanillaPersonalizedT(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         picture_clients: NonNegativeInt = 4,
