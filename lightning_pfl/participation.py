@@ -88,6 +88,20 @@ class Participation(LightningModule):
         arrives = self.unreliable.draws(round_idx).arrives.to(clients.device)
         return arrives[clients]
 
+    def where_arrived(
+        self, clients: Tensor, round_idx: int, new: Mapping[str, Tensor], old: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Per-client state ``[C, ...]`` at the end of round ``round_idx``: ``new`` for the
+        ``clients`` that reported back, ``old`` for the others, which end the round as they began
+        it. Without ``conditions``, ``new`` as it is. No host sync."""
+        if self.unreliable is None:
+            return dict(new)
+        arrived = self.arrived(clients, round_idx)
+        return {
+            n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, old[n])
+            for n, t in new.items()
+        }
+
     def nothing_arrived(self, clients: Tensor, round_idx: int) -> bool:
         """Whether none of ``clients`` reported back in round ``round_idx``: the server then
         leaves its state unchanged. Server side: reads the mask on the host."""

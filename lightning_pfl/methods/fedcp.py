@@ -13,7 +13,6 @@ from lightning_pfl.engine import Params, weighted_cross_entropy
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedproto import feature_dim
-from lightning_pfl.methods.pfedkt import where_arrived
 from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import NonNegativeFloat, PositiveFloat
 
@@ -144,8 +143,7 @@ class FedCP(FedAvg):
         heads = {n: result.params[n] for n in self.arch.head_names}
         weight = next(n for n in self.arch.head_names if n.endswith("weight"))
         kept = heads | {CONTEXT: heads[weight].sum(1)}
-        arrived = self.arrived(clients, round_idx)
-        self.store.scatter("personal", clients, where_arrived(arrived, kept, own))
+        self.store.scatter("personal", clients, self.where_arrived(clients, round_idx, kept, own))
         uploaded = {n: result.params[n] for n in shared}
         uploaded |= {n: 0.5 * (heads[n] + sent[n]) for n in self.arch.head_names}
         if self.client_dp is None:

@@ -11,7 +11,6 @@ from torch import Tensor
 from lightning_pfl.components import Components, component_groups
 from lightning_pfl.engine import Architecture, Params, TrainResult
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.methods.pfedkt import where_arrived
 from lightning_pfl.models import build_network
 from lightning_pfl.validation import PositiveInt
 
@@ -111,8 +110,7 @@ class FedEM(FedAvg):
         pi = self.store.gather(WEIGHTS, clients, self.device)
         log_pi = pi[WEIGHTS].log()
         updated = {WEIGHTS: self.mixture_weights(clients, log_pi)}
-        arrived = self.arrived(clients, round_idx)
-        self.store.scatter(WEIGHTS, clients, where_arrived(arrived, updated, pi))
+        self.store.scatter(WEIGHTS, clients, self.where_arrived(clients, round_idx, updated, pi))
         received = {RECEIVED + n: t for n, t in self.payload(clients).items()}
         context = received | {LOG_PI: log_pi}
         return self.local_train(

@@ -11,7 +11,6 @@ from torch import Tensor
 from lightning_pfl.engine import Params, TrainResult, weighted_cross_entropy
 from lightning_pfl.losses import distillation_loss, weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.methods.pfedkt import where_arrived
 from lightning_pfl.validation import PositiveFloat, PositiveInt, UnitInterval
 
 
@@ -169,7 +168,7 @@ class FedPHP(FedAvg):
         mu = history_weight(count, h.mu, participation, rounds)
         arrived = self.arrived(clients, round_idx)
         updated = moving_average(hpm, result.params, mu)
-        self.store.scatter("hpm", clients, where_arrived(arrived, updated, hpm))
+        self.store.scatter("hpm", clients, self.where_arrived(clients, round_idx, updated, hpm))
         self.store.scatter("count", clients, {"participations": count + arrived.to(count)})
         return result
 

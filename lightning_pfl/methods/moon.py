@@ -11,7 +11,6 @@ from torch import Tensor, nn
 from lightning_pfl.engine import Architecture, Params, TrainResult, weighted_cross_entropy
 from lightning_pfl.losses import weighted_mean
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.methods.pfedkt import where_arrived
 from lightning_pfl.params import prefixed, split_prefixed
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat, PositiveInt
 
@@ -160,8 +159,9 @@ class MOON(FedAvg):
             loss_fn=self.client_loss,
             context=context,
         )
-        arrived = self.arrived(clients, round_idx)
-        self.store.scatter("previous", clients, where_arrived(arrived, result.params, previous))
+        self.store.scatter(
+            "previous", clients, self.where_arrived(clients, round_idx, result.params, previous)
+        )
         return result
 
     def personalized_params(self, clients: Tensor) -> Params:

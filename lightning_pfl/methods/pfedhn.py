@@ -168,15 +168,23 @@ class PFedHN(FederatedMethod):
         delta = {n: start[n] - result.params[n] for n in start}
         if self.client_dp is not None:
             self.set_private_gradients(generated, delta, self.client_dp_generator(round_idx))
-        elif self.unreliable is None:
+        else:
+            self.update_from_arrived(generated, delta, clients, round_idx)
+        self.record_communication(down=start, up=delta)
+        return result.loss
+
+    def update_from_arrived(
+        self, generated: Params, delta: Params, clients: Tensor, round_idx: int
+    ) -> None:
+        """:meth:`update_hypernetwork` from the clients that reported back (with equal
+        weights); a round in which none did sets no gradient."""
+        if self.unreliable is None:
             self.update_hypernetwork(generated, delta)
         elif not self.nothing_arrived(clients, round_idx):
             arrived = self.arrived(clients, round_idx)
             weights = self.client_weights(clients, round_idx, uniform=True)
             weights = weights.to(next(iter(delta.values())))
             self.update_hypernetwork(generated, delta, weights, arrived.nonzero().flatten())
-        self.record_communication(down=start, up=delta)
-        return result.loss
 
     def update_hypernetwork(
         self,

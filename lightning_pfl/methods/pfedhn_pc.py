@@ -81,13 +81,8 @@ class PFedHNPC(PFedHN):
         delta = {n: body[n] - result.params[n] for n in body}
         if self.client_dp is not None:
             self.set_private_gradients(generated, delta, self.client_dp_generator(round_idx))
-        elif self.unreliable is None:
-            self.update_hypernetwork(generated, delta)
-        elif not self.nothing_arrived(clients, round_idx):
-            arrived = self.arrived(clients, round_idx)
-            weights = self.client_weights(clients, round_idx, uniform=True)
-            weights = weights.to(next(iter(delta.values())))
-            self.update_hypernetwork(generated, delta, weights, arrived.nonzero().flatten())
+        else:
+            self.update_from_arrived(generated, delta, clients, round_idx)
         self.record_communication(down=body, up=delta)
         return result.loss
 

@@ -39,14 +39,6 @@ def logit_distance(target: Tensor, logits: Tensor, kind: Distance, weight: Tenso
     return (d * weight).sum() / weight.sum().clamp_min(1.0)
 
 
-def where_arrived(arrived: Tensor, new: Params, old: Params) -> Params:
-    """``new`` for the clients that reported back (``arrived``, bool ``[C]``), ``old`` for the
-    others: a client that did not arrive ends the round with the state it began it with."""
-    return {
-        n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, old[n]) for n, t in new.items()
-    }
-
-
 class PFedKT(FedAvg):
     """pFedKT (Algorithm 1): each client's private model (PM) comes from its own local HN.
 
@@ -225,16 +217,20 @@ class PFedKT(FedAvg):
             loss_fn=self.kt_loss,
             context=context,
         )
-        arrived = self.arrived(clients, round_idx)
         if self.uses_hn:
             names = list(self.arch.shapes)
             delta = torch.cat([(pm[n] - result.params[n]).flatten(1) for n in names], 1)
-            self.store.scatter("hn", clients, where_arrived(arrived, self.hn_step(hn, delta), hn))
+            self.store.scatter(
+                "hn", clients, self.where_arrived(clients, round_idx, self.hn_step(hn, delta), hn)
+            )
             visited = self.store.gather("visited", clients, self.device)["visited"]
-            self.store.scatter("visited", clients, {"visited": visited | arrived})
+            visited = visited | self.arrived(clients, round_idx)
+            self.store.scatter("visited", clients, {"visited": visited})
         if self.keeps_pm:
             trained = {n: result.params[n] for n in self.arch.shapes}
-            self.store.scatter("pm", clients, where_arrived(arrived, trained, stored))
+            self.store.scatter(
+                "pm", clients, self.where_arrived(clients, round_idx, trained, stored)
+            )
         return result
 
     def hn_step(self, hn: Params, delta: Tensor) -> Params:
