@@ -66,12 +66,15 @@ class LocalTraining(LightningModule):
         epochs: int | None = None,
         phase: int = 0,
         drop_last: bool = False,
+        first_steps: int | None = None,
     ) -> ClientBatches:
         """This round's local-training batches of ``clients`` (seeded by round and ``phase``).
 
         ``epochs`` overrides the method's ``local_epochs``/``local_steps``; a method that trains
         in several phases per round gives each its own ``phase`` so they draw different batches.
         ``drop_last``: epochs skip their last, smaller batch (PyTorch's ``drop_last=True``).
+        ``first_steps``: only the first that many steps of the draw (a straggler then completes
+        its fraction of those, and only those count as steps taken).
         """
         h = self.hp
         keys = (h.seed, round_idx, BATCH_STREAM) + ((phase,) if phase else ())
@@ -85,6 +88,11 @@ class LocalTraining(LightningModule):
             epochs=epochs,
             drop_last=drop_last,
         )
+        if first_steps is not None:
+            first = slice(0, first_steps)
+            batches = ClientBatches(
+                batches.index[:, first], batches.weight[:, first], batches.active[:, first]
+            )
         if self.unreliable is not None:
             batches = self.unreliable.restrict(batches, clients, round_idx)
         self.local_steps_drawn = self.local_steps_drawn + batches.active.sum()
@@ -93,7 +101,8 @@ class LocalTraining(LightningModule):
             # steps change nothing) so that one recorded round serves every round.
             largest = int(self.data.num_samples("train").max())
             batch = batches.index.shape[-1]
-            batches = batches.pad_steps(epochs * math.ceil(largest / batch))
+            steps = epochs * math.ceil(largest / batch)
+            batches = batches.pad_steps(steps if first_steps is None else min(steps, first_steps))
         return batches
 
     def local_train(

@@ -21,6 +21,7 @@ from lightning_pfl.methods.fedtp import FedTP, FedTPKNN, FedTPPer, FedTPRoD
 from lightning_pfl.methods.knn_per import KNNPer
 from lightning_pfl.methods.mapper import MAPPER
 from lightning_pfl.methods.moon import MOON
+from lightning_pfl.methods.partialfed import PartialFed
 from lightning_pfl.methods.pfedgp import PFedGP
 from lightning_pfl.methods.pfedhn_pc import PFedHNPC
 from lightning_pfl.methods.pfedkt import PFedKT
@@ -52,7 +53,10 @@ ROWS: dict[str, tuple[type[FederatedMethod], dict[str, Any]]] = {
     "FedEM": (FedEM, {}),
     "FedCP": (FedCP, {}),
     "CCVR": (CCVR, {}),
+    "PartialFed": (PartialFed, {"select_steps": 3}),
 }
+# the local steps of each local_train call of a round, where not local_steps once
+PHASE_STEPS = {"PartialFed": [3, None]}  # the selection's select_steps, then local_steps
 # the rows whose clients keep state between rounds (client store fields), with the fields
 # that a client that arrived may leave as they were (flags already set)
 STATEFUL: dict[str, set[str]] = {
@@ -66,6 +70,7 @@ STATEFUL: dict[str, set[str]] = {
     "MAPPER": set(),
     "FedEM": set(),
     "FedCP": set(),
+    "PartialFed": {"seen", "select"},  # select: no gradient while its local model is global
 }
 
 # the rows whose server update is not the weighted mean of the trained network tensors
@@ -202,8 +207,10 @@ def test_a_straggler_takes_exactly_its_drawn_steps(name: str) -> None:
     clients, captured = one_round(method, 0)
     fraction = method.unreliable.draws(0).fraction[clients]
     assert (fraction < 1).any()
-    expected = [straggler_steps(float(f), steps) for f in fraction]
-    assert all(result.steps.tolist() == expected for result in captured), name
+    phases = [s or steps for s in PHASE_STEPS.get(name, [None])]
+    assert len(captured) == len(phases), name
+    for result, phase in zip(captured, phases, strict=True):
+        assert result.steps.tolist() == [straggler_steps(float(f), phase) for f in fraction], name
 
 
 @pytest.mark.parametrize("config", ["pfedhn_pc.yaml", "fedphp.yaml"])
@@ -214,3 +221,11 @@ def test_resume_with_conditions_is_exact(config: str, tmp_path: Path) -> None:
         "--model.init_args.conditions.drop_rate=0.5",
         "--model.init_args.conditions.stragglers.min_fraction=0.2",
     )
+
+
+def test_partialfed_counts_the_selection_steps_it_takes() -> None:
+    """The selection trains on the first select_steps of its draw: only those count as local
+    steps (clients/local_steps, the FLOPs), not the whole draw of local_steps."""
+    method = built("PartialFed", 4, local_steps=7)
+    one_round(method, 0)
+    assert int(method.local_steps_drawn) == 4 * (3 + 7)

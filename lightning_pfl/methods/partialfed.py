@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from lightning_pfl.engine import (
-    ClientBatches,
     ParamGroup,
     Params,
     SGDConfig,
@@ -72,6 +71,8 @@ class PartialFed(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         choice: Literal["adaptive", "global", "local"] = "adaptive",
@@ -127,11 +128,7 @@ class PartialFed(FedAvg):
             value = 1.0 if h.choice == "global" else 0.0
             return {layer: torch.full((len(clients),), value) for layer in self.layers}
         logits = self.store.gather("select", clients, self.device)
-        batches = self.draw_batches(clients, round_idx, phase=1)
-        steps = slice(0, h.select_steps)
-        batches = ClientBatches(
-            batches.index[:, steps], batches.weight[:, steps], batches.active[:, steps]
-        )
+        batches = self.draw_batches(clients, round_idx, phase=1, first_steps=h.select_steps)
         context = {f"global.{n}": t for n, t in glob.items()}
         context |= {f"local.{n}": t for n, t in local.items()}
         groups = [ParamGroup(self.layers, SGDConfig(h.select_lr))]
@@ -155,8 +152,12 @@ class PartialFed(FedAvg):
         local = self.local_models(clients, start)
         load = self.select(round_idx, clients, start, local)
         result = self.local_train(mix_layers(start, local, load), clients, round_idx)
-        self.store.scatter("local", clients, result.params)
-        self.store.scatter("seen", clients, {"seen": torch.ones(len(clients))})
+        kept, seen = (self.store.gather(f, clients, self.device) for f in ("local", "seen"))
+        self.store.scatter(
+            "local", clients, self.where_arrived(clients, round_idx, result.params, kept)
+        )
+        now_seen = {"seen": torch.ones(len(clients), device=self.device)}
+        self.store.scatter("seen", clients, self.where_arrived(clients, round_idx, now_seen, seen))
         return result
 
     def personalized_params(self, clients: Tensor) -> Params:
