@@ -107,13 +107,10 @@ class FedAS(FedAvg):
         fisher = self.fisher_trace(result.params, clients, round_idx)
         uploaded = {n: result.params[n] for n in self.body}
         if not self.nothing_arrived(clients, round_idx):
-            arrived_fisher = torch.where(arrived, fisher, 0.0)
-            total = arrived_fisher.sum()
+            total = fisher.sum()  # a client that did not report back took no step: F_i = 0
             # a round of perfectly fitted clients has no Fisher information: sample weights then
             weights = torch.where(
-                total > 0,
-                arrived_fisher / total.clamp_min(1e-30),
-                self.client_weights(clients, round_idx),
+                total > 0, fisher / total.clamp_min(1e-30), self.client_weights(clients, round_idx)
             )
             self.aggregate(uploaded, weights)
         self.record_communication(down=sent, up=uploaded | {"fisher": fisher})

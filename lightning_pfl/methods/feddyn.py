@@ -10,7 +10,7 @@ from torch import Tensor
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.methods.fedprox import anchor, proximal_loss
-from lightning_pfl.methods.scaffold import linear_loss, per_client
+from lightning_pfl.methods.scaffold import linear_loss
 from lightning_pfl.params import prefixed
 from lightning_pfl.privacy import private_uploads, privatizes
 from lightning_pfl.server_state import NamedBuffers
@@ -95,11 +95,8 @@ class FedDyn(FedAvg):
             loss_fn=self.dynamic_loss,
             context=context,
         )
-        arrived = self.arrived(clients, round_idx)
-        drift = {
-            n: torch.where(per_client(arrived, sent[n]).bool(), result.params[n] - sent[n], 0.0)
-            for n in self.trainable
-        }
+        # a client that did not report back took no step: its drift is 0, its state kept
+        drift = {n: result.params[n] - sent[n] for n in self.trainable}
         self.store.scatter("gradient", clients, {n: state[n] - alpha * drift[n] for n in drift})
         uploaded = {n: result.params[n] for n in sent}
         received, moved = uploaded, drift
