@@ -96,9 +96,9 @@ class FedAS(FedAvg):
         )
         head = {n: local[n] for n in self.arch.head_names}
         result = self.local_train(aligned.params | head, clients, round_idx)
-        arrived = self.arrived(clients, round_idx)
         kept = result.params
-        if self.unreliable is not None:
+        if self.unreliable is not None:  # the aligned start of a dropped client is not its model
+            arrived = self.arrived(clients, round_idx)
             kept = {
                 n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, local[n])
                 for n, t in kept.items()

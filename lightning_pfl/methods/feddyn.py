@@ -33,8 +33,8 @@ class FedDyn(FedAvg):
     batch-norm buffers: the uniform mean). Every client's personalized model is theta^t.
 
     Under ``conditions`` P_t is the clients that reported back: a client that did not keeps its
-    gradient state, and h^t and the mean use the arrived clients only (m stays all training
-    clients); a round where none arrived leaves theta and h as they were.
+    gradient state (it took no step), h^t and the mean use the arrived clients only (m stays
+    all training clients), and a round where none arrived leaves theta and h as they were.
 
     Args:
         alpha: alpha, the regularization coefficient (paper: {0.1, 0.01, 0.001}; its code's
