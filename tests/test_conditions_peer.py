@@ -143,6 +143,7 @@ def replaying(method: FederatedMethod, recorded: dict[str, list[tuple[Tensor, An
 
 
 def recording(method: FederatedMethod, names: tuple[str, ...]) -> dict[str, list[Any]]:
+    """Record the clients and the result of every call of ``method``'s ``names``."""
     recorded: dict[str, list[Any]] = {}
     for name in names:
         original: Callable[..., Any] = getattr(method, name)
