@@ -68,6 +68,8 @@ class APFL(FedAvg):
             SGD settings, a fresh optimizer each round).
     """
 
+    honours_conditions = True
+
     def __init__(
         self, alpha: UnitInterval = 0.5, alpha_lr: PositiveFloat | None = None, **kwargs: Any
     ) -> None:

@@ -42,6 +42,10 @@ class FedALA(FedAvg):
 
     Personalized model: Theta_i (the global model for a client never sampled).
 
+    Under ``conditions`` a participation is a round in which the client reported back: a client
+    that dropped keeps its Theta_i and W_i (its ALA and training took no step), and its record
+    of participations does not count the round.
+
     All clients of a round learn their weights together: clients that converged, and clients
     past their first ALA after one epoch, idle (masked steps); the server knows from its record
     of participations which clients need an ALA and how many epochs the round may take. Once
@@ -61,6 +65,8 @@ class FedALA(FedAvg):
         ala_max_epochs: at most this many epochs in the first ALA (the paper has no limit).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -103,14 +109,19 @@ class FedALA(FedAvg):
         return weighted_cross_entropy(logits, y, weight)
 
     def ala_batches(self, clients: Tensor, round_idx: int) -> ClientBatches:
-        """One pass, in batches, over a random s% of each client's training data."""
+        """One pass, in batches, over a random s% of each client's training data (under
+        ``conditions``: a straggler's fraction of these steps, none for a dropped client)."""
         batches = self.draw_batches(clients, round_idx, epochs=1, phase=ALA_PHASE)
         n = self.data.num_samples("train")[clients.to(self.data.device)]
         size = (n.double() * self.hp.rand_percent / 100).floor().clamp_min(1)
         steps, batch = batches.index.shape[1:]
         position = torch.arange(steps * batch, device=n.device).view(steps, batch)
         weight = batches.weight * (position < size.view(-1, 1, 1)).float()
-        return ClientBatches(batches.index, weight, weight.amax(-1) > 0)
+        subset = ClientBatches(batches.index, weight, weight.amax(-1) > 0)
+        if self.unreliable is None:
+            return subset
+        # the weights keep the whole epoch: cut the subset's own steps, not the epoch's
+        return self.unreliable.restrict(subset, clients, round_idx)
 
     def adaptive_local_aggregation(
         self, round_idx: int, clients: Tensor, received: Params, local: Params, first: Tensor
@@ -171,8 +182,16 @@ class FedALA(FedAvg):
             )
             self.store.scatter("weights", clients, weights)
         result = self.local_train({n: t.clone() for n, t in start.items()}, clients, round_idx)
-        self.store.scatter("local", clients, result.params)
-        self.visits[clients.cpu()] += 1
+        trained = result.params
+        if self.unreliable is not None:  # the mixed start of a dropped client is not its model
+            kept = self.store.gather("local", clients, self.device)
+            came = self.arrived(clients, round_idx)
+            trained = {
+                n: torch.where(came.view(-1, *[1] * (t.dim() - 1)), t, kept[n])
+                for n, t in trained.items()
+            }
+        self.store.scatter("local", clients, trained)
+        self.visits[clients.cpu()] += self.arrived(clients.cpu(), round_idx).long()
         return result
 
     def personalized_params(self, clients: Tensor) -> Params:

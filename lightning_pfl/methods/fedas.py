@@ -46,11 +46,17 @@ class FedAS(FedAvg):
        F_i = sum over one pass of batches of ||grad_theta mean NLL(batch)||^2 (evaluation mode),
        and uploads its body; the server sets the global body to sum_i F_i / sum_j F_j theta_i.
 
+    Under ``conditions`` the sums run over the clients that reported back (none: the body
+    stays); a client that dropped keeps its model (its aligned start is the global body), and
+    a straggler's alignment, training and Fisher pass are each cut to its fraction.
+
     Args:
         alignment_lr: SGD learning rate of the alignment (the authors' code: 0.01).
         alignment_epochs: epochs of the alignment (the authors' code: 1).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -90,15 +96,23 @@ class FedAS(FedAvg):
         )
         head = {n: local[n] for n in self.arch.head_names}
         result = self.local_train(aligned.params | head, clients, round_idx)
-        self.store.scatter("model", clients, result.params)
+        kept = result.params
+        if self.unreliable is not None:  # the aligned start of a dropped client is not its model
+            arrived = self.arrived(clients, round_idx)
+            kept = {
+                n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, local[n])
+                for n, t in kept.items()
+            }
+        self.store.scatter("model", clients, kept)
         fisher = self.fisher_trace(result.params, clients, round_idx)
         uploaded = {n: result.params[n] for n in self.body}
-        total = fisher.sum()
-        # a round of perfectly fitted clients has no Fisher information: sample weights then
-        weights = torch.where(
-            total > 0, fisher / total.clamp_min(1e-30), self.client_weights(clients)
-        )
-        self.aggregate(uploaded, weights)
+        if not self.nothing_arrived(clients, round_idx):
+            total = fisher.sum()  # a client that did not report back took no step: F_i = 0
+            # a round of perfectly fitted clients has no Fisher information: sample weights then
+            weights = torch.where(
+                total > 0, fisher / total.clamp_min(1e-30), self.client_weights(clients, round_idx)
+            )
+            self.aggregate(uploaded, weights)
         self.record_communication(down=sent, up=uploaded | {"fisher": fisher})
         return result.loss
 

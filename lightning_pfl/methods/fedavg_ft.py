@@ -9,7 +9,7 @@ from torch import Tensor
 
 from lightning_pfl.engine import ParamGroup, Params, SGDConfig, derive_seed, train_clients
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.streams import DROPOUT_STREAM
+from lightning_pfl.streams import BATCH_STREAM, DROPOUT_STREAM
 from lightning_pfl.validation import PositiveInt
 
 FINETUNE_PHASE = 7  # batch stream of the fine-tuning epochs (apart from training's phases)
@@ -23,12 +23,16 @@ class FedAvgFT(FedAvg):
     epochs of SGD (the local SGD settings, a fresh optimizer) on the client's own training
     data; the batches (and dropout) are seeded by the round ``t``, so the same round's
     validation and test evaluate the same fine-tuned models and a resumed run reproduces them.
-    The fine-tuned models are not kept.
+    The fine-tuned models are not kept. Under ``conditions`` training is FedAvg's; fine-tuning
+    is evaluation, not part of a round, so every client fine-tunes all E' epochs (no client of
+    an evaluation drops or straggles).
 
     Args:
         finetune_epochs: local fine-tuning epochs E' (1 in the usual FedAvg+FT baseline).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
+
+    honours_conditions = True
 
     def __init__(self, finetune_epochs: PositiveInt = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -56,7 +60,12 @@ class FedAvgFT(FedAvg):
         tuned = names if names is not None else tuple(n for n in params if n not in state)
         trainable = {n: params[n].clone() for n in tuned}
         fixed = {n: t for n, t in params.items() if n not in state and n not in trainable}
-        batches = self.draw_batches(clients, round_idx, h.finetune_epochs, FINETUNE_PHASE)
+        # draw_batches' seeds without its conditions' masks, which belong to the rounds
+        seed = derive_seed(h.seed, round_idx, BATCH_STREAM, FINETUNE_PHASE)
+        generator = torch.Generator(self.data.device).manual_seed(seed)
+        batches = self.data.client_batches(
+            clients, h.batch_size, generator, epochs=h.finetune_epochs
+        )
         devices = [self.device] if self.device.type == "cuda" else []
         vectorize, threads = self.executor.path(self.arch)
         with torch.random.fork_rng(devices=devices), torch.enable_grad():

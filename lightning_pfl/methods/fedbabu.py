@@ -26,7 +26,7 @@ class FedBABU(FedAvgFT):
     ``finetune_lr`` and ``finetune_momentum`` (the local weight decay and clip);
     ``finetune_part`` says what is fine-tuned (the reference code's personalization
     fine-tunes body and head: ``full``). As FedAvg-FT, the fine-tuning batches are seeded by
-    the round, and the fine-tuned models are not kept.
+    the round, and the fine-tuned models are not kept (and not cut by ``conditions``).
 
     Args:
         finetune_epochs: fine-tuning epochs tau at evaluation (reference code: 5).
@@ -39,6 +39,8 @@ class FedBABU(FedAvgFT):
             it trains with). None: ``local_momentum``.
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
+
+    honours_conditions = True
 
     def __init__(
         self,

@@ -32,6 +32,10 @@ class FedDyn(FedAvg):
     training clients) and sets ``theta^t = mean_{P_t} theta_k^t - h^t / alpha`` (uniform mean;
     batch-norm buffers: the uniform mean). Every client's personalized model is theta^t.
 
+    Under ``conditions`` P_t is the clients that reported back: a client that did not keeps its
+    gradient state (it took no step), h^t and the mean use the arrived clients only (m stays
+    all training clients), and a round where none arrived leaves theta and h as they were.
+
     Args:
         alpha: alpha, the regularization coefficient (paper: {0.1, 0.01, 0.001}; its code's
             experiments: 0.01).
@@ -42,6 +46,8 @@ class FedDyn(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper's code: 5 local
             epochs of batch 50).
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -89,6 +95,7 @@ class FedDyn(FedAvg):
             loss_fn=self.dynamic_loss,
             context=context,
         )
+        # a client that did not report back took no step: its drift is 0, its state kept
         drift = {n: result.params[n] - sent[n] for n in self.trainable}
         self.store.scatter("gradient", clients, {n: state[n] - alpha * drift[n] for n in drift})
         uploaded = {n: result.params[n] for n in sent}
@@ -97,7 +104,12 @@ class FedDyn(FedAvg):
             generator = self.client_dp_generator(round_idx)
             received = private_uploads(sent, uploaded, self.client_dp, generator)
             moved = {n: received[n] - sent[n] for n in drift}
-        uniform = torch.full((len(clients),), 1 / len(clients), device=self.device)
+            uniform = torch.full((len(clients),), 1 / len(clients), device=self.device)
+        elif self.nothing_arrived(clients, round_idx):
+            self.record_communication(down=sent, up=uploaded)
+            return result.loss
+        else:  # 1 / |P_t| over the arrived clients, float32 as the uniform mean always was
+            uniform = self.client_weights(clients, round_idx, uniform=True).float()
         self.aggregate(received, uniform)  # p.grad = theta - mean theta_k; buffers: the mean
         with torch.no_grad():
             for name, p in self.net.named_parameters():

@@ -60,6 +60,8 @@ class FedLC(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         tau: NonNegativeFloat = 1.0,

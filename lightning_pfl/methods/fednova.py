@@ -34,7 +34,8 @@ class FedNova(FedAvg):
     ``tau_eff sum_i p_i (x - x_i) / ||a_i||_1`` with ``tau_eff = sum_i p_i ||a_i||_1`` and
     ``p_i = n_i / sum_S n_j`` (FedAvg's weights): ``x <- x - tau_eff eta sum_i p_i d_i``.
     Batch-norm buffers: FedAvg's weighted mean. Every client's personalized model is the
-    global model.
+    global model. Under ``conditions`` S is the clients that reported back and tau_i the steps
+    each took (a straggler's cut ones); a round where none did leaves x as it was.
 
     Args:
         local_momentum: rho, the client SGD momentum that a_i accounts for (paper: 0.9 in its
@@ -45,6 +46,8 @@ class FedNova(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (``server_lr`` and
             ``server_momentum``: the paper's global momentum variant, 1 and 0 by default).
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -64,7 +67,10 @@ class FedNova(FedAvg):
         sent = self.payload(clients)
         result = self.local_train({n: t.clone() for n, t in sent.items()}, clients, round_idx)
         uploaded = {n: result.params[n] for n in sent}
-        p = self.client_weights(clients)
+        self.record_communication(down=sent, up=uploaded)
+        if self.nothing_arrived(clients, round_idx):
+            return result.loss
+        p = self.client_weights(clients, round_idx)
         norm = momentum_norm(result.steps.to(self.device), self.hp.local_momentum).clamp_min(1)
         tau_eff = (p.double() * norm).sum()
         self.aggregate(uploaded, p)  # buffers: the weighted mean
@@ -72,5 +78,4 @@ class FedNova(FedAvg):
             x = param.detach()
             normalized = (x - uploaded[name]) / per_client(norm, uploaded[name])
             param.grad = (tau_eff * client_mean(normalized, p)).to(param.dtype)
-        self.record_communication(down=sent, up=uploaded)
         return result.loss

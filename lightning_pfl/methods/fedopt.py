@@ -75,7 +75,8 @@ class FedOpt(FedAvg):
     eta_l); the server averages their updates uniformly, ``Delta_t = mean_S (x_i - x_t)``, and
     applies :class:`AdaptiveServerOptimizer` with server lr eta, betas beta1, beta2 and
     adaptivity tau. Batch-norm buffers are set to the uniform mean. Every client's
-    personalized model is the global model.
+    personalized model is the global model. Under ``conditions`` S is the clients that reported
+    back; a round where none did leaves x_t, m and v as they were.
 
     Args:
         adaptivity: the server optimizer: ``adagrad`` (FedAdagrad), ``adam`` (FedAdam) or
@@ -91,6 +92,8 @@ class FedOpt(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (K: ``local_steps`` or
             ``local_epochs``; paper: E local epochs).
     """
+
+    honours_conditions = True
 
     def __init__(
         self,

@@ -34,6 +34,8 @@ class FedRoD(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.refuse_batch_norm("FedRoD reads representations")

@@ -37,6 +37,8 @@ class FML(FedAvg):
             SGD settings; each model has its own gradient clip; optimizers are fresh every round).
     """
 
+    honours_conditions = True
+
     def __init__(self, alpha: UnitInterval = 0.5, beta: UnitInterval = 0.5, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.refuse_batch_norm("FML trains two models jointly")

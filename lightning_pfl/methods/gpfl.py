@@ -71,6 +71,8 @@ class GPFL(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(self, lam: NonNegativeFloat = 0.01, mu: NonNegativeFloat = 0.1, **kwargs: Any):
         super().__init__(**kwargs)
         self.refuse_batch_norm("GPFL conditions the representation")

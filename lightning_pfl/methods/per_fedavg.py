@@ -54,6 +54,8 @@ class PerFedAvg(FedAvg):
             size of D + D' (+ D'').
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         variant: Literal["fo", "hf"] = "fo",

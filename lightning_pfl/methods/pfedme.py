@@ -13,6 +13,7 @@ from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult, wei
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
 from lightning_pfl.losses import linear_surrogate
 from lightning_pfl.methods.fedavg import FedAvg
+from lightning_pfl.methods.scaffold import per_client
 from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import (
     Momentum,
@@ -60,6 +61,11 @@ class PFedMe(FedAvg):
     personalized model is its last theta_i (the initial model before its first local update);
     ``train/loss`` is f_i at the last inner iterate, over the clients of S^t.
 
+    Under ``conditions`` every client that trains has its own round's draws (``local_updates:
+    all`` trains the clients outside S^t too, so they can drop or straggle as well): a client
+    that drops keeps its theta_i, and the server's mean is over the clients of S^t that
+    reported back (none: w stays as it was).
+
     Written on the engine: theta_i is trained next to w_i by one SGD group of lr 1 whose
     "gradient" is theta_old - theta_new, so the inner solve runs inside the loss, without host
     syncs, under vmap.
@@ -84,6 +90,8 @@ class PFedMe(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper, MNIST: R = 20 local
             steps of batch 20).
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -132,8 +140,9 @@ class PFedMe(FedAvg):
         result = self.train_clients(round_idx, trained, {n: t.clone() for n, t in sent.items()})
         uploaded = {n: result.params[n][rows] for n in sent}
         if self.client_dp is None:
-            weights = self.client_weights(clients, uniform=h.aggregation == "uniform")
-            self.aggregate(uploaded, weights)
+            if not self.nothing_arrived(clients, round_idx):
+                uniform = h.aggregation == "uniform"
+                self.aggregate(uploaded, self.client_weights(clients, round_idx, uniform))
         else:
             received = {n: t[rows] for n, t in sent.items()}
             self.aggregate(*self.dp_uploads(round_idx, received, uploaded))
@@ -183,7 +192,15 @@ class PFedMe(FedAvg):
         result = self.local_train(
             {**start, **theta}, clients, round_idx, groups, loss_fn=self.client_loss
         )
-        self.store.scatter("theta", clients, {n: result.params[n] for n in theta})
+        theta = {n: result.params[n] for n in theta}
+        if self.unreliable is not None:
+            # theta starts from the received w: a client that dropped (no step) keeps its own
+            kept = self.store.gather("theta", clients, self.device)
+            came = self.arrived(clients, round_idx)
+            theta = {
+                n: torch.where(per_client(came, t).bool(), t, kept[n]) for n, t in theta.items()
+            }
+        self.store.scatter("theta", clients, theta)
         return result
 
     def personalized_params(self, clients: Tensor) -> Params:

@@ -26,7 +26,8 @@ class QFFL(FedAvg):
     server lr). q-FedSGD (Algorithm 2) is one local step on the client's whole data
     (``local_steps: 1`` with ``batch_size`` at least the largest client's training set, and
     ``local_lr = 1/L``): then ``Delta w_k = grad F_k(w^t)``. Batch-norm buffers: FedAvg's
-    weighted mean. Every client's personalized model is the global model.
+    weighted mean. Every client's personalized model is the global model. Under
+    ``conditions`` both sums run over the clients that reported back (none: w^t stays).
 
     Args:
         q: q, the fairness exponent (paper: tuned per dataset in {0.001, ..., 15}; 1 here).
@@ -38,6 +39,8 @@ class QFFL(FedAvg):
         local_max_grad_norm: client gradient clip (paper: none).
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -70,14 +73,17 @@ class QFFL(FedAvg):
         loss = (loss_sum / samples).double() + LOSS_FLOOR  # F_k(w^t)
         result = self.local_train({n: t.clone() for n, t in sent.items()}, clients, round_idx)
         uploaded = {n: result.params[n] for n in sent}
-        self.aggregate(uploaded, self.client_weights(clients))  # buffers: the weighted mean
         params = dict(self.net.named_parameters())
         delta_w = {n: lip * (sent[n] - uploaded[n]).double() for n in params}
         squared = torch.stack([d.flatten(1).pow(2).sum(1) for d in delta_w.values()]).sum(0)
         h = q * loss ** (q - 1) * squared + lip * loss**q
-        scale = loss**q / h.sum()  # Delta_k / sum h = F_k^q Delta w_k / sum h
-        for name, p in params.items():
-            weight = scale.view(-1, *([1] * (delta_w[name].dim() - 1)))
-            p.grad = (weight * delta_w[name]).sum(0).to(p.dtype)
+        if not self.nothing_arrived(clients, round_idx):
+            self.aggregate(uploaded, self.client_weights(clients, round_idx))  # buffers: the mean
+            arrived = self.arrived(clients, round_idx)
+            # Delta_k / sum h = F_k^q Delta w_k / sum h, both sums over the arrived clients
+            scale = torch.where(arrived, loss**q, 0.0) / torch.where(arrived, h, 0.0).sum()
+            for name, p in params.items():
+                weight = scale.view(-1, *([1] * (delta_w[name].dim() - 1)))
+                p.grad = (weight * delta_w[name]).sum(0).to(p.dtype)
         self.record_communication(down=sent, up=uploaded | {"h_k": h.float()})
         return result.loss
