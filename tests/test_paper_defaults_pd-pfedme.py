@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from lightning_pfl.conditions import Conditions
 from lightning_pfl.costs import payload_bytes
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
@@ -146,17 +145,6 @@ def test_a_non_finite_loss_of_a_client_outside_the_sample_stops_the_run() -> Non
     method.local_train = poisoned  # type: ignore[method-assign]
     with pytest.raises(NonFiniteLossError, match=r"round 0 for clients \[2\]"):
         method.run_round(0, SAMPLED)
-
-
-@pytest.mark.parametrize("local_updates", ["all", "sampled"])
-def test_conditions_are_refused(local_updates: str) -> None:
-    with pytest.raises(ConfigError, match="PFedMe does not weigh its aggregation"):
-        build(
-            PFedMe,
-            digits_data(4),
-            local_updates=local_updates,
-            conditions=Conditions(drop_rate=0.3),
-        )
 
 
 @pytest.mark.parametrize(

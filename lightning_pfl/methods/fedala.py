@@ -182,14 +182,9 @@ class FedALA(FedAvg):
             )
             self.store.scatter("weights", clients, weights)
         result = self.local_train({n: t.clone() for n, t in start.items()}, clients, round_idx)
-        trained = result.params
-        if self.unreliable is not None:  # the mixed start of a dropped client is not its model
-            kept = self.store.gather("local", clients, self.device)
-            came = self.arrived(clients, round_idx)
-            trained = {
-                n: torch.where(came.view(-1, *[1] * (t.dim() - 1)), t, kept[n])
-                for n, t in trained.items()
-            }
+        # the mixed start of a client that dropped is not its model: it keeps Theta_i
+        kept = self.store.gather("local", clients, self.device)
+        trained = self.where_arrived(clients, round_idx, result.params, kept)
         self.store.scatter("local", clients, trained)
         self.visits[clients.cpu()] += self.arrived(clients.cpu(), round_idx).long()
         return result

@@ -96,14 +96,10 @@ class FedAS(FedAvg):
         )
         head = {n: local[n] for n in self.arch.head_names}
         result = self.local_train(aligned.params | head, clients, round_idx)
-        kept = result.params
-        if self.unreliable is not None:  # the aligned start of a dropped client is not its model
-            arrived = self.arrived(clients, round_idx)
-            kept = {
-                n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, local[n])
-                for n, t in kept.items()
-            }
-        self.store.scatter("model", clients, kept)
+        # the aligned start of a client that dropped is not its model: it keeps its own
+        self.store.scatter(
+            "model", clients, self.where_arrived(clients, round_idx, result.params, local)
+        )
         fisher = self.fisher_trace(result.params, clients, round_idx)
         uploaded = {n: result.params[n] for n in self.body}
         if not self.nothing_arrived(clients, round_idx):

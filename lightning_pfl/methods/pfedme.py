@@ -13,7 +13,6 @@ from lightning_pfl.engine import ParamGroup, Params, SGDConfig, TrainResult, wei
 from lightning_pfl.errors import ConfigError, NonFiniteLossError
 from lightning_pfl.losses import linear_surrogate
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.methods.scaffold import per_client
 from lightning_pfl.privacy import privatizes
 from lightning_pfl.validation import (
     Momentum,
@@ -192,15 +191,10 @@ class PFedMe(FedAvg):
         result = self.local_train(
             {**start, **theta}, clients, round_idx, groups, loss_fn=self.client_loss
         )
-        theta = {n: result.params[n] for n in theta}
-        if self.unreliable is not None:
-            # theta starts from the received w: a client that dropped (no step) keeps its own
-            kept = self.store.gather("theta", clients, self.device)
-            came = self.arrived(clients, round_idx)
-            theta = {
-                n: torch.where(per_client(came, t).bool(), t, kept[n]) for n, t in theta.items()
-            }
-        self.store.scatter("theta", clients, theta)
+        # theta starts from the received w: a client that dropped (no step) keeps its own
+        kept = self.store.gather("theta", clients, self.device)
+        trained = {n: result.params[n] for n in theta}
+        self.store.scatter("theta", clients, self.where_arrived(clients, round_idx, trained, kept))
         return result
 
     def personalized_params(self, clients: Tensor) -> Params:
