@@ -173,12 +173,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "the server's step is sum_k F_k^q Delta w_k / sum_k h_k: each client's weight depends "
         "on its loss and on the others', so no clip bounds one client's effect on the step",
     ),
-    "SCAFFOLD": (
-        "its model update and its control-variate update Delta c_i",
-        "the control variates are a second upload that moves the server's c every round; they "
-        "would need their own clip and noise (or one clip over [Delta y_i, Delta c_i]), not "
-        "implemented",
-    ),
 }
 
 
@@ -246,8 +240,8 @@ class ClientDP:
                 f"{KEY}: {name} does not support client-level DP. Each client uploads "
                 f"{uploads}; {why} (docs/privacy.md). Remove client_dp, or use a method whose "
                 "round privatizes its uploads: FedAvg and the FedAvg subclasses that keep its "
-                "round (FedPer, FedProx, Ditto, ...), FedDyn, FedCP, FedAKT, PFedHN, PFedHNPC, "
-                "PFedLHN or MHPFedHN."
+                "round (FedPer, FedProx, Ditto, ...), FedDyn, FedCP, FedAKT, SCAFFOLD, PFedHN, "
+                "PFedHNPC, PFedLHN or MHPFedHN."
             )
         return str(what)
 
