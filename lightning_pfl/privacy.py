@@ -101,12 +101,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "with learned per-client weights: client j's model reaches client i in person, not "
         "through a noisy sum",
     ),
-    "PFedHNBudgets": (
-        "the delta of its budget size's generated model",
-        "its DP round would clip each client's contribution to the shared hypernetwork (the "
-        "body every size reads, plus its size's heads) as one vector, as MH-pFedHN does; not "
-        "implemented",
-    ),
     "PeFLL": (
         "its delta, its descriptor v computed from its data, and the embedding network's "
         "gradient from its data",
@@ -241,7 +235,7 @@ class ClientDP:
                 f"{uploads}; {why} (docs/privacy.md). Remove client_dp, or use a method whose "
                 "round privatizes its uploads: FedAvg and the FedAvg subclasses that keep its "
                 "round (FedPer, FedProx, Ditto, ...), FedDyn, FedCP, FedAKT, SCAFFOLD, PFedHN, "
-                "PFedHNPC, PFedLHN or MHPFedHN."
+                "PFedHNPC, PFedLHN, PFedHNBudgets or MHPFedHN."
             )
         return str(what)
 

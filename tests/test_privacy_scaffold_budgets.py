@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_pfl.conditions import Conditions, Stragglers
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods.pfedhn_budgets import PFedHNBudgets
 from lightning_pfl.methods.scaffold import SCAFFOLD
 from lightning_pfl.privacy import ClientDP, PrivacyAccountant
 from tests.conftest import build, digits_data, fit
@@ -32,6 +33,7 @@ from tests.helpers import (
 )
 from tests.test_conditions import one_round, round_with_drops, state
 from tests.test_peer_a import randomized
+from tests.test_pfedhn_budgets import SIZES
 
 NO_DP = ClientDP(noise_multiplier=0.0, clip_norm=math.inf)
 DP_FLAG = "--model.init_args.client_dp={noise_multiplier: 1.0, clip_norm: 0.3, delta: 1e-4}"
@@ -263,11 +265,195 @@ def test_scaffold_a_round_where_nothing_arrives_leaves_x_and_c_alone() -> None:
         assert torch.equal(t, before[n]), n
 
 
-@pytest.mark.parametrize("cls", [SCAFFOLD])
+# ----------------------------------------------------------------- pFedHN-Budgets
+BUDGETS: dict[str, Any] = {"architectures": SIZES}
+
+
+def budgets(**kwargs: Any) -> PFedHNBudgets:
+    method = build(PFedHNBudgets, digits_data(6), **{**BUDGETS, "clients_per_round": 3, **kwargs})
+    assert isinstance(method, PFedHNBudgets)
+    method.configure_optimizers()
+    return method
+
+
+def shared_and_embeddings(method: PFedHNBudgets) -> tuple[list[Tensor], list[Tensor]]:
+    named = dict(method.hnet.named_parameters())
+    embeddings = named.pop("body.embeddings.weight")
+    return list(named.values()), [embeddings]
+
+
+def generated_and_deltas(
+    method: PFedHNBudgets, clients: Tensor
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Every size's generated tensors for its clients among ``clients`` (with their graphs),
+    deltas of norms spread over two orders of magnitude, and each tensor's rows."""
+    torch.manual_seed(0)
+    scales = torch.logspace(-2, 0, len(clients))
+    generated, deltas, owners = [], [], []
+    for size, rows in method.sizes.split(clients):
+        for t in method.network(clients[rows], size).values():
+            generated.append(t)
+            deltas.append(scales[rows].view(-1, *[1] * (t.dim() - 1)) * torch.randn_like(t))
+            owners.append(rows)
+    return generated, deltas, owners
+
+
+def test_budgets_no_noise_and_no_clip_is_the_run_without_dp_bit_for_bit() -> None:
+    plain = trained(PFedHNBudgets, **BUDGETS)
+    private = trained(PFedHNBudgets, **BUDGETS, client_dp=NO_DP)
+    assert private.record.extra_results["privacy"]["epsilon"] == math.inf
+    assert_same_trained_state(plain, private)
+    noisy = trained(PFedHNBudgets, **BUDGETS, client_dp=ClientDP(1e-3, 10.0))
+    key = "hnet.body.mlp.0.weight"  # the check sees a changed run
+    assert not torch.equal(noisy.state_dict()[key], plain.state_dict()[key])
+
+
+def test_budgets_clip_each_clients_body_and_heads_contribution_and_not_the_embeddings() -> None:
+    """f_i = min(1, S / ||c_i||) with c_i = J_i^T delta_i over the body and every size's heads
+    (client i's own size's only are nonzero); grad = sum_i f_i c_i / qN; the embeddings' grad
+    is the unclipped mean."""
+    method = budgets(client_dp=ClientDP(0.0, 1.0), hn_max_grad_norm=None, clients_per_round=4)
+    sizes = method.sizes
+    clients = torch.cat([sizes.members("S"), sizes.members("L")]).sort().values
+    generated, deltas, owners = generated_and_deltas(method, clients)
+    shared, embeddings = shared_and_embeddings(method)
+    contributions, norms, body_norms = [], [], []
+    body = [p for p in method.network.body.parameters() if p is not embeddings[0]]
+    for row in range(len(clients)):
+        surrogate = torch.stack(
+            [
+                (g[(o == row).nonzero()[:, 0]] * d[(o == row).nonzero()[:, 0]]).sum()
+                for g, d, o in zip(generated, deltas, owners, strict=True)
+            ]
+        ).sum()
+        c = torch.autograd.grad(surrogate, shared, retain_graph=True, allow_unused=True)
+        contributions.append(c)
+        norms.append(torch.cat([x.flatten() for x in c if x is not None]).double().norm())
+        ids = {id(p) for p in body}
+        body_norms.append(
+            torch.cat(
+                [
+                    x.flatten()
+                    for x, p in zip(c, shared, strict=True)
+                    if id(p) in ids and x is not None
+                ]
+            )
+            .double()
+            .norm()
+        )
+    assert all(b < n * 0.99 for b, n in zip(body_norms, norms, strict=True)), "heads count"
+    mean = torch.stack([(g * d).sum() for g, d in zip(generated, deltas, strict=True)]).sum() / 4
+    expected = torch.autograd.grad(mean, embeddings, retain_graph=True)
+    clip = float(torch.stack(norms).median())
+    method.client_dp = ClientDP(0.0, clip)
+    method.set_private_budget_gradients(generated, deltas, owners, len(clients), 0)
+    factors = [min(1.0, clip / float(n)) for n in norms]
+    assert min(factors) < 1 and max(factors) == 1, "some clients clipped, some not"
+    for f, n in zip(factors, norms, strict=True):
+        assert f * float(n) <= clip * (1 + 1e-6)
+    for name, (k, p) in zip(
+        [n for n, q in method.hnet.named_parameters() if q is not embeddings[0]],
+        enumerate(shared),
+        strict=True,
+    ):
+        parts = [f * c[k] for f, c in zip(factors, contributions, strict=True) if c[k] is not None]
+        if not parts:  # the heads of size M: no client of the round, no noise at z = 0
+            assert name.startswith("heads.M.") and p.grad is None, name
+            continue
+        want = sum(parts) / 4
+        assert isinstance(want, Tensor)
+        scale = float(want.abs().max())  # float32 sums of four clients: a few ulp of the largest
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    torch.testing.assert_close(embeddings[0].grad, expected[0], rtol=1e-5, atol=1e-9)
+
+
+def test_budgets_noise_std_is_sigma_c_over_the_expected_clients_on_every_shared_tensor() -> None:
+    sigma, clip = 2.0, 0.5
+    method = budgets(client_dp=ClientDP(sigma, clip), hn_max_grad_norm=None)
+    clients = method.sizes.members("S")  # the heads of M and L are read by none
+    generated, deltas, owners = generated_and_deltas(method, clients)
+    zero = [torch.zeros_like(d) for d in deltas]
+    method.set_private_budget_gradients(generated, zero, owners, len(clients), 0)
+    shared, embeddings = shared_and_embeddings(method)
+    grads = [p.grad for p in shared]
+    assert all(g is not None for g in grads), "every shared tensor is noised"
+    noise = torch.cat([g.flatten() for g in grads if g is not None])
+    expected = sigma * clip / 3  # qN = clients_per_round
+    assert noise.std().item() == pytest.approx(expected, rel=0.03)
+    assert abs(noise.mean().item()) < 4 * expected / math.sqrt(len(noise))
+    absent = dict(method.hnet.named_parameters())["heads.L.0.weight"].grad
+    assert absent is not None and absent.std().item() == pytest.approx(expected, rel=0.05)
+    grad = embeddings[0].grad
+    assert grad is not None and not grad.any()  # no noise, no signal
+
+
+def test_budgets_resume_is_exact_with_dp(tmp_path: Path) -> None:
+    assert_resume_is_exact_with_dp(CONF / "pfedhn_budgets.yaml", tmp_path, 6, 3)
+
+
+def test_budgets_dp_rounds_vectorized_equal_client_by_client() -> None:
+    assert_vectorized_equals_sequential(
+        PFedHNBudgets, rounds=2, client_dp=ClientDP(1.0, 0.5), **BUDGETS
+    )
+
+
+def test_budgets_steps_from_the_mean_over_the_clients_that_arrived() -> None:
+    """grad = grad of (1/|S|) sum_{i in S} 0.5 ||h_{s(i)}(v_i; phi) - theta~_i||^2; the heads
+    of a sampled size none of whose clients arrived get no gradient, as an unsampled size's."""
+    method = budgets(
+        clients_per_round=4, hn_max_grad_norm=None, conditions=Conditions(drop_rate=0.5)
+    )
+    sizes = method.sizes
+
+    def sizes_of(clients: Tensor, arrived: Tensor) -> tuple[set[str], set[str]]:
+        return (
+            {name for name, _ in sizes.split(clients)},
+            {name for name, rows in sizes.split(clients) if arrived[rows].any()},
+        )
+
+    r = next(  # some but not all arrived, and one sampled size has no client that did
+        r
+        for r in range(100)
+        if 0 < int((a := method.arrived(c := method.sample_clients(r), r)).sum()) < len(a)
+        and len(set.difference(*sizes_of(c, a))) == 1
+    )
+    clients = method.sample_clients(r)
+    arrived = method.arrived(clients, r)
+    sampled, live = sizes_of(clients, arrived)
+    captured = capture_local_training(method)
+    method.run_round(r, clients)
+    surrogate = torch.zeros(())
+    for result, (size, rows) in zip(captured, sizes.split(clients), strict=True):
+        if size not in live:
+            continue
+        for n, t in method.network(clients[rows], size).items():
+            diff = (t - result.params[n]) * arrived[rows].view(-1, *[1] * (t.dim() - 1))
+            surrogate = surrogate + 0.5 * (diff**2).sum() / arrived.sum()
+    params = dict(method.hnet.named_parameters())
+    expected = torch.autograd.grad(surrogate, list(params.values()), allow_unused=True)
+    for (name, p), g in zip(params.items(), expected, strict=True):
+        if name.startswith("heads.") and name.split(".")[1] not in live:
+            assert p.grad is None and g is None, name
+            continue
+        assert p.grad is not None and g is not None and g.abs().sum() > 0, name
+        torch.testing.assert_close(p.grad, g, msg=name)
+    assert len(sampled) == len(live) + 1
+
+
+def test_a_round_where_nothing_arrives_sets_no_hypernetwork_gradient() -> None:
+    method = budgets(clients_per_round=1, conditions=Conditions(drop_rate=0.5))
+    r = next(r for r in range(50) if not method.arrived(method.sample_clients(r), r).any())
+    one_round(method, r)
+    assert all(p.grad is None for p in method.parameters())
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"), [(SCAFFOLD, {}), (PFedHNBudgets, BUDGETS)], ids=["SCAFFOLD", "Budgets"]
+)
 def test_reliable_conditions_equal_a_run_without_them_bit_for_bit(
-    cls: type[FederatedMethod],
+    cls: type[FederatedMethod], kwargs: dict[str, Any]
 ) -> None:
-    today = state(trained(cls))
-    masked = trained(cls, conditions=Conditions(stragglers=Stragglers(rate=0.0)))
+    today = state(trained(cls, **kwargs))
+    masked = trained(cls, **kwargs, conditions=Conditions(stragglers=Stragglers(rate=0.0)))
     for name, tensor in state(masked).items():
         assert torch.equal(tensor, today[name]), name
