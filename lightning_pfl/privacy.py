@@ -101,12 +101,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "with learned per-client weights: client j's model reaches client i in person, not "
         "through a noisy sum",
     ),
-    "PFedHNBudgets": (
-        "the delta of its budget size's generated model",
-        "its DP round would clip each client's contribution to the shared hypernetwork (the "
-        "body every size reads, plus its size's heads) as one vector, as MH-pFedHN does; not "
-        "implemented",
-    ),
     "PeFLL": (
         "its delta, its descriptor v computed from its data, and the embedding network's "
         "gradient from its data",
@@ -172,12 +166,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "its update and h_k, from its loss F_k on the global model and its update's norm",
         "the server's step is sum_k F_k^q Delta w_k / sum_k h_k: each client's weight depends "
         "on its loss and on the others', so no clip bounds one client's effect on the step",
-    ),
-    "SCAFFOLD": (
-        "its model update and its control-variate update Delta c_i",
-        "the control variates are a second upload that moves the server's c every round; they "
-        "would need their own clip and noise (or one clip over [Delta y_i, Delta c_i]), not "
-        "implemented",
     ),
 }
 
@@ -246,8 +234,8 @@ class ClientDP:
                 f"{KEY}: {name} does not support client-level DP. Each client uploads "
                 f"{uploads}; {why} (docs/privacy.md). Remove client_dp, or use a method whose "
                 "round privatizes its uploads: FedAvg and the FedAvg subclasses that keep its "
-                "round (FedPer, FedProx, Ditto, ...), FedDyn, FedCP, FedAKT, PFedHN, PFedHNPC, "
-                "PFedLHN or MHPFedHN."
+                "round (FedPer, FedProx, Ditto, ...), FedDyn, FedCP, FedAKT, SCAFFOLD, PFedHN, "
+                "PFedHNPC, PFedLHN, PFedHNBudgets or MHPFedHN."
             )
         return str(what)
 

@@ -17,6 +17,7 @@ from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads, set_delta_gradients
+from lightning_pfl.privacy import privatizes, set_private_delta_gradients
 
 PAPER_SIZES: dict[str, dict[str, Any]] = {
     name: {"net": "cnn", "net_args": {"n_kernels": k}}
@@ -82,6 +83,15 @@ class PFedHNBudgets(PFedHN):
     with no client in the round get no gradient (our choice; the paper is silent): the
     optimizer leaves them as they are (no weight decay, no momentum step).
 
+    Unreliable clients (``conditions``): the mean is over the clients S that reported back
+    (weights 1/|S|, zero for the others); the heads of a size none of whose clients did get no
+    gradient, as those of a size not sampled, and a round where none did sets no gradient.
+
+    Client-level DP (``client_dp``): pFedHN's, with each client's contribution to every shared
+    tensor (the body's MLP and every size's heads, zero on the other sizes' heads) clipped as
+    one vector, the sum over qN, the noise on every shared tensor (also the heads of a size
+    absent from the round); the embeddings v_i are personal.
+
     Sizes are client groups of :class:`~lightning_pfl.assignment.NetworkGroups`
     (``architectures: {name: {net, net_args, share|clients}}``); test and validation accuracy
     per size are logged as ``{val,test}/arch_<name>/acc`` and ``results.json`` also holds
@@ -98,6 +108,8 @@ class PFedHNBudgets(PFedHN):
             give one the inputs fit (e.g. one of the sizes' networks). ``hn_update`` must be
             ``mean``.
     """
+
+    honours_conditions = True
 
     def __init__(
         self, architectures: dict[str, dict[str, Any]] | None = None, **kwargs: Any
@@ -149,12 +161,19 @@ class PFedHNBudgets(PFedHN):
         assert isinstance(self.hnet, BudgetHyperNetwork)
         return self.hnet
 
+    @privatizes(
+        "each client's contribution J_i^T delta_i to the gradient of the shared hypernetwork "
+        "(the body every size reads and every size's heads, zero on the heads of the other "
+        "sizes), clipped as one vector; the embedding v_i is client i's personal parameter "
+        "and is updated from its unclipped delta"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         batches = self.draw_batches(clients, round_idx)
         features = self.network.body.features(clients)
         generated: list[Tensor] = []
         deltas: list[Tensor] = []
-        weights: list[Tensor] = []
+        owners: list[Tensor] = []  # the rows (among the round's clients) of each generated tensor
+        of_size: list[str] = []  # the size of each generated tensor
         down: Params = {}
         up: Params = {}
 
@@ -173,9 +192,8 @@ class PFedHNBudgets(PFedHN):
             delta = {n: start[n] - result.params[n] for n in start}
             generated.extend(theta.values())
             deltas.extend(delta.values())
-            weights.extend(
-                [torch.full((len(rows),), 1.0 / len(clients), device=self.device)] * len(theta)
-            )
+            owners.extend([rows] * len(theta))
+            of_size.extend([size] * len(theta))
             down.update(self.sizes.tagged(size, start))
             up.update(self.sizes.tagged(size, delta))
             totals = self.comm_bytes_by_size[size]
@@ -184,15 +202,64 @@ class PFedHNBudgets(PFedHN):
             return result.loss
 
         losses = self.sizes.train_groups(clients, train)
-        set_delta_gradients(
-            [p for p in self.hnet.parameters() if p.requires_grad],
-            generated,
-            deltas,
-            weights,
-            self.hp.hn_max_grad_norm,
-        )
+        if self.client_dp is not None:
+            self.set_private_budget_gradients(generated, deltas, owners, len(clients), round_idx)
+        else:
+            # a size none of whose clients reported back gets no gradient, as one not sampled
+            live = self.arrived_sizes(clients, round_idx)
+            kept = [k for k, size in enumerate(of_size) if size in live]
+            if kept:
+                # 1/C each, or 1/|S| over the clients S that reported back (zero for the others)
+                weights = self.client_weights(clients, round_idx, uniform=True).to(generated[0])
+                set_delta_gradients(
+                    [p for p in self.hnet.parameters() if p.requires_grad],
+                    [generated[k] for k in kept],
+                    [deltas[k] for k in kept],
+                    [weights[owners[k]] for k in kept],
+                    self.hp.hn_max_grad_norm,
+                )
         self.record_communication(down=down, up=up)
         return losses
+
+    def arrived_sizes(self, clients: Tensor, round_idx: int) -> set[str]:
+        """The sizes with a client among ``clients`` that reported back in round ``round_idx``
+        (every size of the round without ``conditions``; with them, server side: reads the
+        mask on the host)."""
+        if self.unreliable is None:
+            return set(self.sizes.names)
+        reported = self.arrived(clients, round_idx).cpu()
+        groups = self.sizes.group_of[clients.cpu()][reported]
+        return {self.sizes.names[g] for g in groups.tolist()}
+
+    def set_private_budget_gradients(
+        self,
+        generated: list[Tensor],
+        deltas: list[Tensor],
+        owners: list[Tensor],
+        count: int,
+        round_idx: int,
+    ) -> None:
+        """DP-FedAvg on the shared hypernetwork (every parameter but the embeddings: the body
+        and every size's heads), the embeddings as without DP:
+        :func:`~lightning_pfl.privacy.set_private_delta_gradients`, the tensors of size s
+        holding the rows of its clients among the round's ``count``."""
+        dp = self.client_dp
+        assert dp is not None, "client_dp is not set"
+        embeddings = [p for p in self.hnet.personal_parameters() if p.requires_grad]
+        personal = {id(p) for p in embeddings}
+        shared = [p for p in self.hnet.parameters() if p.requires_grad and id(p) not in personal]
+        set_private_delta_gradients(
+            shared,
+            embeddings,
+            generated,
+            deltas,
+            owners,
+            count,
+            dp,
+            self.hp.clients_per_round,  # qN: the simulation samples exactly that many
+            self.client_dp_generator(round_idx),
+            self.hp.hn_max_grad_norm,
+        )
 
     # ----------------------------------------------------------------- evaluation
     def personalized_params(self, clients: Tensor) -> Params:

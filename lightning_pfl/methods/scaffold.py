@@ -9,7 +9,8 @@ from torch import Tensor
 
 from lightning_pfl.engine import LossFn, Params
 from lightning_pfl.methods.fedavg import FedAvg
-from lightning_pfl.params import prefixed
+from lightning_pfl.params import prefixed, split_prefixed
+from lightning_pfl.privacy import privatizes
 from lightning_pfl.server_state import NamedBuffers
 from lightning_pfl.validation import Momentum, NonNegativeFloat, PositiveFloat
 
@@ -52,6 +53,18 @@ class SCAFFOLD(FedAvg):
     models' worth of tensors (counted). Buffers (batch-norm statistics) are averaged, not
     corrected. Every client's personalized model is the global model x.
 
+    Unreliable clients (``conditions``): S is the set that reported back; a client that did
+    not keeps its c_i, x moves by the uniform mean over S and c by ``|S|/N mean_S(c_i+ -
+    c_i)``; a round where nothing arrived leaves x and c as they were.
+
+    Client-level DP (``client_dp``, z and clip norm C): DP-FedAvg on the joint upload
+    ``[y_i - x, c_i+ - c_i]``, clipped as one vector to norm C and noised with
+    N(0, z^2 C^2 I) on the sum, which both means divide by the fixed qN (noise std z C / qN on
+    each coordinate): x and c move by that one release. The client keeps its c_i+ as computed
+    (unclipped): it is personal and reaches the server only through the clipped c_i+ - c_i,
+    so c is no longer the mean of the c_i. A client that did not report back adds nothing to
+    the sum, which still divides by qN.
+
     Args:
         server_lr: eta_g, the global step size (paper: 1).
         local_lr: eta_l, the local step size (option II divides by it).
@@ -62,6 +75,8 @@ class SCAFFOLD(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (K: ``local_steps`` or
             ``local_epochs``).
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -86,6 +101,11 @@ class SCAFFOLD(FedAvg):
         # one object for every round: a recorded round (CUDA graph) is keyed by the loss
         self.corrected_loss = linear_loss(self.cross_entropy, tuple(zeros), CORRECTION)
 
+    @privatizes(
+        "the model update y_i - x and the control-variate update c_i+ - c_i of each client, "
+        "clipped together as one vector; x and c move by the one noisy release, and the "
+        "client's own c_i+ (kept unclipped) never leaves it"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         sent = self.payload(clients)
         c = {n: t.expand(len(clients), *t.shape) for n, t in self.control.tensors().items()}
@@ -99,14 +119,41 @@ class SCAFFOLD(FedAvg):
             context=prefixed(CORRECTION, correction),
         )
         steps = result.steps.to(self.device).clamp_min(1) * self.hp.local_lr  # K eta_l
-        delta_c = {n: (sent[n] - result.params[n]) / per_client(steps, sent[n]) - c[n] for n in c}
+        # a client that did not report back took no step and uploads nothing: Delta c_i = 0
+        arrived = self.arrived(clients, round_idx)
+        delta_c = {
+            n: torch.where(
+                arrived.view(-1, *([1] * (sent[n].dim() - 1))),
+                (sent[n] - result.params[n]) / per_client(steps, sent[n]) - c[n],
+                0.0,
+            )
+            for n in c
+        }
         self.store.scatter("control", clients, {n: c_i[n] + delta_c[n] for n in c})
         uploaded = {n: result.params[n] for n in sent}
-        self.aggregate(uploaded, torch.full((len(clients),), 1 / len(clients), device=self.device))
-        with torch.no_grad():
-            for n, d in delta_c.items():
-                self.control[n].add_(d.sum(0) / self.num_training_clients)
+        if self.client_dp is not None:  # Delta c_i is itself an update: its "sent" is zero
+            zeros = {n: torch.zeros_like(d) for n, d in delta_c.items()}
+            private, weights = self.dp_uploads(
+                round_idx,
+                sent | prefixed(CORRECTION, zeros),
+                uploaded | prefixed(CORRECTION, delta_c),
+            )
+            self.update_server(
+                {n: private[n] for n in sent}, weights, *split_prefixed(private, CORRECTION)
+            )
+        elif not self.nothing_arrived(clients, round_idx):
+            self.update_server(
+                uploaded, self.client_weights(clients, round_idx, uniform=True), delta_c
+            )
         self.record_communication(
             down=sent | prefixed(CORRECTION, c), up=uploaded | prefixed(CORRECTION, delta_c)
         )
         return result.loss
+
+    def update_server(self, uploaded: Params, weights: Tensor, delta_c: Params) -> None:
+        """x <- x + eta_g (sum_i w_i y_i - x) (the server optimizer's step) and
+        c <- c + (1/N) sum_i Delta c_i (that is, |S|/N times their mean over the |S| uploads)."""
+        self.aggregate(uploaded, weights)
+        with torch.no_grad():
+            for n, d in delta_c.items():
+                self.control[n].add_(d.sum(0) / self.num_training_clients)
