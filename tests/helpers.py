@@ -88,9 +88,13 @@ def assert_vectorized_equals_sequential(
     for path, method in others.items():
         with torch.inference_mode():
             correct, total, loss = method.evaluate(clients, "test")
-        torch.testing.assert_close(correct, slow_eval[0], rtol=0, atol=1, msg=f"{path}: correct")
+        torch.testing.assert_close(
+            correct, slow_eval[0], rtol=0, atol=1, msg=lambda m, p=path: f"{p}: correct: {m}"
+        )
         assert torch.equal(total, slow_eval[1]), path
-        torch.testing.assert_close(loss, slow_eval[2], rtol=1e-4, atol=1e-4, msg=f"{path}: loss")
+        torch.testing.assert_close(
+            loss, slow_eval[2], rtol=1e-4, atol=1e-4, msg=lambda m, p=path: f"{p}: loss: {m}"
+        )
         fast, fast_store = method.state_dict(), method.store.state_dict()
         for name in fast:
             torch.testing.assert_close(

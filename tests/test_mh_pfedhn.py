@@ -466,7 +466,10 @@ def test_vectorized_equals_sequential(cls: type[MHPFedHN], update: str) -> None:
         rounds=2,
         num_clients=6,
         architectures=TINY,
-        **{**SMALL, "hn_lr": 1e-2, "hn_update": update},
+        # hn_lr 1e-3, as below: at 1e-2 Adam's steps of sign(rounding) at near-zero gradient
+        # entries moved embeddings by up to 5e-3 between vmap and the loop on an AMD EPYC
+        # (2026-12-02; within tolerance on the Intel Xeon before)
+        **{**SMALL, "hn_lr": 1e-3, "hn_update": update},
     )
 
 
