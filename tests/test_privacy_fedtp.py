@@ -15,12 +15,12 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_pfl.conditions import Conditions
 from lightning_pfl.datamodule import FederatedDataModule
 from lightning_pfl.engine import TrainResult
-from lightning_pfl.methods import FedTP, FedTPKNN, FedTPPer, FedTPRoD
+from lightning_pfl.methods.fedtp import FedTP, FedTPKNN, FedTPPer, FedTPRoD
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.partition import IID
 from lightning_pfl.privacy import ClientDP
@@ -30,7 +30,12 @@ from tests.test_conditions import round_with_drops
 from tests.test_privacy_scaffold_budgets import assert_resume_is_exact_with_dp
 
 NO_DP = ClientDP(noise_multiplier=0.0, clip_norm=math.inf)
-VIT_ARGS = {"patch": 2, "dim": 16, "depth": 2, "heads": 2, "head_dim": 8, "mlp_dim": 32}
+# no dropout: a round run outside fit draws it from the unseeded global generator, so that
+# the probe round and its clipped twin would train differently
+VIT_ARGS = {"patch": 2, "dim": 16, "depth": 2, "heads": 2, "head_dim": 8, "mlp_dim": 32} | {
+    "dropout": 0.0,
+    "emb_dropout": 0.0,
+}
 
 
 def fedtp(cls: type[FedTP] = FedTP, dm: FederatedDataModule | None = None, **kwargs: Any) -> FedTP:
@@ -47,7 +52,7 @@ def fedtp(cls: type[FedTP] = FedTP, dm: FederatedDataModule | None = None, **kwa
     return method
 
 
-def split_hnet(hnet: HyperNetwork) -> tuple[list[Tensor], list[Tensor]]:
+def split_hnet(hnet: HyperNetwork) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """phi (every hypernetwork parameter but the embeddings) and the embeddings."""
     personal = list(hnet.personal_parameters())
     ids = {id(p) for p in personal}
@@ -116,7 +121,6 @@ def test_one_clip_over_the_shared_update_and_the_hypernetwork_contribution(drops
     assert ((factors * joint) <= clip * (1 + 1e-6)).all()
     assert (x_norm[arrived] < 0.99 * joint[arrived]).all(), "c_i carries weight in the norm"
     assert (c_norm[arrived] < 0.99 * joint[arrived]).all(), "Delta x_i carries weight in it"
-    assert (x_norm * factors < clip).all() and (c_norm * factors < clip).all()
     expected = method.hp.clients_per_round
     params = dict(method.net.named_parameters())
     for name, delta in release.delta_x.items():  # grad = x - (x + sum_i f_i Delta x_i / qN)
