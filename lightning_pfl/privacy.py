@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 KEY = "model.init_args.client_dp"
 EPSILON_KEY = "privacy/epsilon"  # logged every round (TensorBoard) at step = rounds completed
 F = TypeVar("F", bound=Callable[..., Any])
-CHUNK = 1 << 16  # elements whose float64 squares clip_factors forms at once (512 KiB)
+CHUNK = 1 << 16  # elements whose float64 squares squared_norms forms at once (512 KiB)
 
 # Why each method without a DP round has none: what each client uploads, and why DP-FedAvg
 # (one clipped, noised sum per round, weights fixed in advance) does not cover it or is not
