@@ -32,18 +32,12 @@ if TYPE_CHECKING:
 KEY = "model.init_args.client_dp"
 EPSILON_KEY = "privacy/epsilon"  # logged every round (TensorBoard) at step = rounds completed
 F = TypeVar("F", bound=Callable[..., Any])
-CHUNK = 1 << 16  # elements whose float64 squares clip_factors forms at once (512 KiB)
+CHUNK = 1 << 16  # elements whose float64 squares squared_norms forms at once (512 KiB)
 
 # Why each method without a DP round has none: what each client uploads, and why DP-FedAvg
 # (one clipped, noised sum per round, weights fixed in advance) does not cover it or is not
 # implemented for it (docs/privacy.md has the table; tests/test_privacy_methods.py checks that
 # every library method either privatizes its round or is here).
-_TP = (
-    "the update of the shared tensors plus the attention weights its hypernetwork generated "
-    "for it, after training",
-    "the server steps its hypernetwork on each client's trained attention weights, a second "
-    "upload that would need its own clip and noise (not implemented)",
-)
 _MHG = (
     "the deltas of its own model and of the global model",
     "the global model's step is a second server step each round (the sample-weighted mean of "
@@ -91,10 +85,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "the cluster choice is a function of its data that routes its update to one of q "
         "models: it would need a private selection as well as noise per cluster",
     ),
-    "FedTP": _TP,
-    "FedTPPer": _TP,
-    "FedTPRoD": _TP,
-    "FedTPKNN": _TP,
     "PFedLA": (
         "its delta, and the server keeps its model",
         "the server mixes every client's kept model layer by layer into each client's model "
@@ -235,7 +225,8 @@ class ClientDP:
                 f"{uploads}; {why} (docs/privacy.md). Remove client_dp, or use a method whose "
                 "round privatizes its uploads: FedAvg and the FedAvg subclasses that keep its "
                 "round (FedPer, FedProx, Ditto, ...), FedDyn, FedCP, FedAKT, SCAFFOLD, PFedHN, "
-                "PFedHNPC, PFedLHN, PFedHNBudgets or MHPFedHN."
+                "PFedHNPC, PFedLHN, PFedHNBudgets, MHPFedHN, FedTP, FedTPPer, FedTPRoD or "
+                "FedTPKNN."
             )
         return str(what)
 
@@ -251,9 +242,9 @@ def privatizes(what: str) -> Callable[[F], F]:
     return mark
 
 
-def clip_factors(updates: Mapping[str, Tensor], clip_norm: float) -> Tensor:
-    """min(1, S / ||Delta_k||) of every client k: the norm is over all of ``updates`` (stacked
-    ``[K, ...]``), its squares summed in float64; a zero update keeps factor 1. No host sync.
+def squared_norms(updates: Mapping[str, Tensor]) -> Tensor:
+    """||Delta_k||^2 of every client k (float64 ``[K]``): the squares over all of ``updates``
+    (stacked ``[K, ...]``) summed in float64. No host sync.
 
     The float64 squares are formed ``CHUNK`` elements (of all clients together) at a time,
     never for a whole update: MH-pFedHN clips [5, 13.5 M] shared gradients, whose float64
@@ -265,7 +256,20 @@ def clip_factors(updates: Mapping[str, Tensor], clip_norm: float) -> Tensor:
         for part in flat.split(max(1, CHUNK // max(1, len(flat))), dim=1):
             squares = part.double().square().sum(1)
             total = squares if total is None else total + squares
-    assert total is not None, "clip_factors needs at least one tensor"
+    assert total is not None, "squared_norms needs at least one tensor"
+    return total
+
+
+def clip_factors(
+    updates: Mapping[str, Tensor], clip_norm: float, other_squares: Tensor | None = None
+) -> Tensor:
+    """min(1, S / ||Delta_k||) of every client k (float64 ``[K]``): the norm is over all of
+    ``updates`` (stacked ``[K, ...]``) and, for a client whose upload has more parts clipped
+    with the same factor, ``other_squares`` (their float64 squared norms, ``[K]``): one joint
+    norm sqrt(||Delta_k||^2 + other_k). A zero update keeps factor 1. No host sync."""
+    total = squared_norms(updates)
+    if other_squares is not None:
+        total = total + other_squares
     return (clip_norm / total.sqrt()).clamp(max=1.0)
 
 
@@ -294,10 +298,18 @@ def set_private_delta_gradients(
     expected: int,
     generator: torch.Generator,
     max_norm: float | None,
-) -> None:
+    other_squares: Tensor | None = None,
+    personal_weights: Tensor | None = None,
+) -> Tensor:
     """DP-FedAvg on a hypernetwork's ``shared`` parameters: grad = (sum_i f_i c_i +
     N(0, z^2 S^2 I)) / qN with c_i = (d g_i / d shared)^T delta_i and f_i = min(1, S / ||c_i||),
-    the norm over every shared tensor; grad of ``personal`` as without DP (weights 1 / C).
+    the norm over every shared tensor; grad of ``personal`` as without DP (weights
+    ``personal_weights`` ``[C]``, default 1 / C). Returns the f_i (float64 ``[C]``).
+
+    A client that uploads more than its deltas (FedTP: its shared tensors' update Delta x_i)
+    passes their squared norms as ``other_squares`` (``[C]``, float64: :func:`squared_norms`):
+    f_i = min(1, S / sqrt(||c_i||^2 + other_i)) then bounds the client's whole release, and the
+    caller clips the other part with the returned f_i (:func:`private_uploads`' ``factors``).
 
     ``generated[k]`` (stacked rows with their graph) holds the rows of clients ``owners[k]``
     (indices into the round's ``count`` = C clients), ``deltas[k]`` their deltas, ``expected``
@@ -322,8 +334,8 @@ def set_private_delta_gradients(
         is_grads_batched=True,
     )
     used = {str(i): g for i, g in enumerate(per_client) if g is not None}
-    factors = clip_factors(used, dp.clip_norm).to(generated[0].dtype)
-    weights = factors * (1.0 / expected)
+    factors = clip_factors(used, dp.clip_norm, other_squares)
+    weights = factors.to(generated[0].dtype) * (1.0 / expected)
     set_delta_gradients(shared, generated, deltas, [weights[o] for o in owners], None, True)
     if dp.noise_multiplier > 0:
         std = dp.noise_multiplier * dp.clip_norm
@@ -331,11 +343,13 @@ def set_private_delta_gradients(
         for i, p in enumerate(shared):
             scaled = noise[str(i)] / expected
             p.grad = scaled if p.grad is None else p.grad + scaled
-    uniform = torch.full((count,), 1.0 / count, device=generated[0].device)
-    set_delta_gradients(personal, generated, deltas, [uniform[o] for o in owners], None)
+    if personal_weights is None:
+        personal_weights = torch.full((count,), 1.0 / count, device=generated[0].device)
+    set_delta_gradients(personal, generated, deltas, [personal_weights[o] for o in owners], None)
     if max_norm is not None:
         torch.nn.utils.clip_grad_norm_(shared, max_norm)
         torch.nn.utils.clip_grad_norm_(personal, max_norm)
+    return factors
 
 
 def private_uploads(
@@ -343,9 +357,12 @@ def private_uploads(
     uploaded: Mapping[str, Tensor],
     dp: ClientDP,
     generator: torch.Generator,
+    factors: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Uploads whose plain mean (weights 1/K over the K rows) is the DP-FedAvg estimate
     ``sent + (sum_k clip(Delta_k) + N(0, z^2 S^2 I)) / K`` with Delta_k = uploaded_k - sent_k.
+    ``factors``: the clip factors f_k ``[K]`` of a joint clip over these and other uploads
+    (:func:`set_private_delta_gradients`' result), instead of min(1, S / ||Delta_k||).
 
     K is the fixed denominator qN (the caller passes exactly K = qN rows: the simulation
     samples clients_per_round = qN clients). Clipped rows become ``sent + clip(Delta_k)``;
@@ -354,7 +371,8 @@ def private_uploads(
     unchanged and any method's aggregation gives the same result as without DP.
     """
     deltas = {n: u - sent[n] for n, u in uploaded.items()}
-    factors = clip_factors(deltas, dp.clip_norm)
+    if factors is None:
+        factors = clip_factors(deltas, dp.clip_norm)
     private = {}
     for n, u in uploaded.items():
         f = factors.to(u.dtype).view(-1, *([1] * (u.dim() - 1)))

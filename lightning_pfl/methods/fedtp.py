@@ -28,6 +28,12 @@ from lightning_pfl.methods.fedavg import FedAvg
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import HeadInit, set_delta_gradients
 from lightning_pfl.models.transformers import qkv_names
+from lightning_pfl.privacy import (
+    private_uploads,
+    privatizes,
+    set_private_delta_gradients,
+    squared_norms,
+)
 from lightning_pfl.validation import (
     Momentum,
     NonNegativeFloat,
@@ -49,6 +55,13 @@ class FedTP(FedAvg):
     i's training samples, the gradient of sum_i p_i 0.5 ||h(v_i; phi) - W~_i||^2, then steps.
 
     A client's personalized model is the global model with its generated W_i.
+
+    Client-level DP (``client_dp``, z and clip norm S): DP-FedAvg on client i's whole release,
+    its shared tensors' update Delta x_i and its contribution c_i = (dW_i / d phi)^T (W_i -
+    W~_i) to the gradient of the shared hypernetwork phi, clipped as one vector to norm S; both
+    sums divide by the fixed qN and carry N(0, z^2 S^2 I) / qN (one release a round), the
+    shared tensors' weights are 1 / qN for every client. The embedding v_i is client i's
+    personal parameter (only its W_i reads it): its gradient is the one without DP.
 
     Args:
         embed_dim: client embedding size (paper: 32; reference code: 128).
@@ -158,6 +171,11 @@ class FedTP(FedAvg):
         with torch.no_grad():
             return self.shared_payload(clients) | self.hnet(clients)
 
+    @privatizes(
+        "each client's update of the shared tensors and its contribution J_i^T (W_i - W~_i) "
+        "to the gradient of the shared hypernetwork phi, clipped together as one vector; the "
+        "embedding v_i is client i's personal parameter and is updated from its unclipped delta"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         generated = self.hnet(clients)  # W_i = h(v_i; phi), one forward for all clients
         personalized = {n: t.detach() for n, t in generated.items()}
@@ -166,19 +184,65 @@ class FedTP(FedAvg):
         result = self.train_with_personal(round_idx, clients, start)
         uploaded = {n: result.params[n] for n in sent}
         trained = {n: result.params[n] for n in generated}
-        if not self.nothing_arrived(clients, round_idx):
+        deltas = [personalized[n] - trained[n] for n in generated]
+        if self.client_dp is not None:
+            self.set_private_server_gradients(round_idx, clients, generated, deltas, sent, uploaded)
+        elif not self.nothing_arrived(clients, round_idx):
             weights = self.client_weights(clients, round_idx)
             self.aggregate(uploaded, weights)
             # grad(phi, v) = sum_i p_i J_i^T (W_i - W~_i), clipped to hn_max_grad_norm
             set_delta_gradients(
                 list(self.hnet.parameters()),
                 list(generated.values()),
-                [personalized[n] - trained[n] for n in generated],
+                deltas,
                 [weights] * len(generated),
                 self.hp.hn_max_grad_norm,
             )
         self.record_communication(down=sent | personalized, up=uploaded | trained)
         return result.loss
+
+    def set_private_server_gradients(
+        self,
+        round_idx: int,
+        clients: Tensor,
+        generated: Params,
+        deltas: list[Tensor],
+        sent: Params,
+        uploaded: Params,
+    ) -> None:
+        """DP-FedAvg on the round's one release, the pair (Delta x_i, c_i) of every client:
+        f_i = min(1, S / sqrt(||Delta x_i||^2 + ||c_i||^2)) with c_i = J_i^T (W_i - W~_i) the
+        gradient of the shared hypernetwork phi (every parameter but the embeddings), the
+        shared tensors' mean update sum_i f_i Delta x_i / qN and phi's gradient
+        sum_i f_i c_i / qN, each with N(0, z^2 S^2 I) / qN
+        (:func:`~lightning_pfl.privacy.set_private_delta_gradients`, then
+        :func:`~lightning_pfl.privacy.private_uploads` with its f_i); the embeddings' gradient
+        as without DP (weights p_i over the clients that reported back). A dropped client's
+        Delta x_i and W_i - W~_i are zero: it adds nothing to the sums, which divide by qN."""
+        dp = self.client_dp
+        assert dp is not None, "client_dp is not set"
+        embeddings = [p for p in self.hnet.personal_parameters() if p.requires_grad]
+        personal = {id(p) for p in embeddings}
+        shared = [p for p in self.hnet.parameters() if p.requires_grad and id(p) not in personal]
+        expected = self.hp.clients_per_round  # qN: the simulation samples exactly that many
+        generator = self.client_dp_generator(round_idx)
+        every = torch.arange(len(clients), device=deltas[0].device)  # every client's row
+        factors = set_private_delta_gradients(
+            shared,
+            embeddings,
+            list(generated.values()),
+            deltas,
+            [every] * len(deltas),
+            len(clients),
+            dp,
+            expected,
+            generator,
+            self.hp.hn_max_grad_norm,
+            other_squares=squared_norms({n: u - sent[n] for n, u in uploaded.items()}),
+            personal_weights=self.client_weights(clients, round_idx),
+        )
+        private = private_uploads(sent, uploaded, dp, generator, factors)
+        self.aggregate(private, torch.full((len(clients),), 1.0 / expected, dtype=torch.float64))
 
     def network_tensors(self, tensors: Params) -> Params:
         """The target network's own tensors among ``tensors`` (without a variant's extras)."""
