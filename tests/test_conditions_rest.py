@@ -13,15 +13,18 @@ import torch
 from lightning_pfl.conditions import Conditions, Stragglers
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods.cfl import CFL
 from lightning_pfl.methods.fedakt import FedAKT
+from lightning_pfl.methods.fedgen import FedGen
 from lightning_pfl.methods.fedgh import FedGH
 from lightning_pfl.methods.fedmgda_plus import FedMGDAPlus
 from lightning_pfl.methods.fedproto import FedProto
 from lightning_pfl.methods.floco import Floco
+from lightning_pfl.methods.hypcluster import HypCluster
 from lightning_pfl.methods.local_zoo import HeterogeneousLocal
 from tests.conftest import build, digits_data, fit
 from tests.helpers import CONF, assert_resume_is_exact
-from tests.test_conditions import DROP, one_round, round_with_drops, state, trained
+from tests.test_conditions import DROP, STRAGGLE, one_round, round_with_drops, state, trained
 
 # method -> (class, arguments beyond tests.conftest.build's)
 ROWS: dict[str, tuple[type[FederatedMethod], dict[str, Any]]] = {
@@ -32,6 +35,12 @@ ROWS: dict[str, tuple[type[FederatedMethod], dict[str, Any]]] = {
     "FedProto-split": (FedProto, {"local_epochs": None, "prototypes": "training_split"}),
     "FedMGDAPlus": (FedMGDAPlus, {}),
     "Floco": (Floco, {"endpoints": 3, "tau": 1}),  # the projection in the first fitted rounds
+    "FedGen": (FedGen, {"generator_steps": 2}),
+    # splits from the first round on (bounds every round meets), decayed lr: every state
+    "CFL": (CFL, {"eps_1": 1e6, "eps_2": 0.0, "split_from_round": 0, "min_cluster_size": 1}),
+    # no honest update's norm exceeds eps_2 (digits, 3 steps): only a dropped one could split
+    "CFL-eps_2": (CFL, {"eps_1": 1e6, "eps_2": 20.0, "split_from_round": 0}),
+    "HypCluster": (HypCluster, {"server_momentum": 0.5}),
 }
 # the rows whose server holds something (every row but the ones that never communicate)
 SERVED = [n for n in ROWS if n != "HeterogeneousLocal"]
@@ -90,7 +99,9 @@ def test_a_dropped_clients_state_is_untouched(name: str) -> None:
     """Every per-client tensor of a client that did not report back ends the round as it
     began; some tensor of every sampled client that arrived changed."""
     method = built(name, 4, conditions=Conditions(**DROP))
-    fit(method, method.data, rounds=TRAINED)  # so that kept states differ from what is sent
+    unreliable, method.unreliable = method.unreliable, None
+    fit(method, method.data, rounds=TRAINED)  # every client sampled has a state of its own
+    method.unreliable = unreliable
     r = next(r for r in range(TRAINED, 50) if 0 < int(arrivals(method, r).sum()) < 4)
     before = store_copy(method)
     clients, _ = one_round(method, r)
@@ -106,6 +117,22 @@ def test_a_dropped_clients_state_is_untouched(name: str) -> None:
                 assert all(same), (field, client)
             elif field not in SET_ONCE.get(name, set()):
                 assert not all(same), (field, client)
+
+
+def test_fedgens_label_prior_counts_the_labels_of_the_steps_taken() -> None:
+    """The server's p(y) after a round: the labels of the batches the clients that arrived
+    trained on (a straggler's cut steps and a dropped client's steps not counted)."""
+    method = built("FedGen", 4, conditions={**DROP, **STRAGGLE})
+    r = round_with_drops(method)
+    clients = method.sample_clients(r)
+    batches = method.draw_batches(clients, r)
+    assert (batches.active.sum(1) > 0).any() and not batches.active.all()
+    _, labels = method.data.fetch(batches.index)
+    taken = batches.weight * batches.active.unsqueeze(-1)
+    counts = torch.bincount(labels.flatten(), taken.flatten(), minlength=method.hp.num_classes)
+    one_round(method, r)
+    label_prior = method.get_buffer("label_prior")
+    torch.testing.assert_close(label_prior, (counts / counts.sum()).to(label_prior))
 
 
 def garbled_dropped_uploads(method: FederatedMethod, round_idx: int) -> None:
