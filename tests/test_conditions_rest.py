@@ -12,9 +12,12 @@ import torch
 
 from lightning_pfl.conditions import Conditions, Stragglers
 from lightning_pfl.engine import TrainResult
-from lightning_pfl.methods import FederatedMethod
+from lightning_pfl.methods import FederatedMethod, fedfomo
+from lightning_pfl.methods.apple import APPLE
 from lightning_pfl.methods.cfl import CFL
 from lightning_pfl.methods.fedakt import FedAKT
+from lightning_pfl.methods.fedamp import FedAMP
+from lightning_pfl.methods.fedfomo import FedFomo
 from lightning_pfl.methods.fedgen import FedGen
 from lightning_pfl.methods.fedgh import FedGH
 from lightning_pfl.methods.fedmgda_plus import FedMGDAPlus
@@ -41,11 +44,16 @@ ROWS: dict[str, tuple[type[FederatedMethod], dict[str, Any]]] = {
     # no honest update's norm exceeds eps_2 (digits, 3 steps): only a dropped one could split
     "CFL-eps_2": (CFL, {"eps_1": 1e6, "eps_2": 20.0, "split_from_round": 0}),
     "HypCluster": (HypCluster, {"server_momentum": 0.5}),
+    "FedAMP": (FedAMP, {"alpha": 5.0}),
+    "APPLE": (APPLE, {"decay_rounds": 4}),
+    "FedFomo": (FedFomo, {"models_per_client": 2}),
 }
 # the rows whose server holds something (every row but the ones that never communicate)
 SERVED = [n for n in ROWS if n != "HeterogeneousLocal"]
 # store fields that a client that arrived leaves as they were (set once, at Floco's round tau)
 SET_ONCE = {"Floco": {"subregion"}}
+# the methods whose server holds every client's latest model (in the client store)
+SERVER_KEEPS_MODELS = (FedAMP, APPLE, FedFomo)
 TRAINED = 2  # rounds before the one under test
 FEW_DROPS = {"drop_rate": 0.3}  # Floco's round 0: 3 of the 6 clients' signatures arrive
 
@@ -73,9 +81,12 @@ def store_clients(method: FederatedMethod, field: str) -> list[int]:
 
 
 def server_state(method: FederatedMethod) -> dict[str, torch.Tensor]:
-    """Every server tensor and every gradient the round set."""
+    """Every server tensor, every gradient the round set and, for the methods whose server
+    keeps every client's model in the client store, the store."""
     grads = {f"{n}.grad": p.grad for n, p in method.named_parameters() if p.grad is not None}
-    return {n: t.clone() for n, t in method.state_dict().items()} | grads
+    stored = {f"store.{f}.{n}": t for f, v in store_copy(method).items() for n, t in v.items()}
+    kept = stored if isinstance(method, SERVER_KEEPS_MODELS) else {}
+    return {n: t.clone() for n, t in method.state_dict().items()} | grads | kept
 
 
 def test_every_row_honours_the_conditions() -> None:
@@ -133,6 +144,23 @@ def test_fedgens_label_prior_counts_the_labels_of_the_steps_taken() -> None:
     one_round(method, r)
     label_prior = method.get_buffer("label_prior")
     torch.testing.assert_close(label_prior, (counts / counts.sum()).to(label_prior))
+
+
+def test_fedfomos_affinity_adds_only_the_weights_that_arrived(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P_ij grows by w_ij for the clients that reported back; a dropped client's row of P
+    stays as it was (every w_ij made 1/M, so that every client has some)."""
+    monkeypatch.setattr(
+        fedfomo, "fomo_weights", lambda own, candidate, d: torch.full_like(candidate, 0.5)
+    )
+    method = built("FedFomo", 4, conditions=Conditions(**DROP))
+    r = round_with_drops(method)
+    before = method.get_buffer("affinity").clone()
+    clients, _ = one_round(method, r)
+    after = method.get_buffer("affinity")
+    for client, came in zip(clients.tolist(), method.arrived(clients, r).tolist(), strict=True):
+        assert torch.equal(after[client], before[client]) != came, client
 
 
 def garbled_dropped_uploads(method: FederatedMethod, round_idx: int) -> None:
