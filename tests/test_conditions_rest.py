@@ -21,7 +21,9 @@ from lightning_pfl.methods.fedfomo import FedFomo
 from lightning_pfl.methods.fedgen import FedGen
 from lightning_pfl.methods.fedgh import FedGH
 from lightning_pfl.methods.fedmgda_plus import FedMGDAPlus
+from lightning_pfl.methods.fedpac import FedPAC
 from lightning_pfl.methods.fedproto import FedProto
+from lightning_pfl.methods.fedu import FedU
 from lightning_pfl.methods.floco import Floco
 from lightning_pfl.methods.hypcluster import HypCluster
 from lightning_pfl.methods.local_zoo import HeterogeneousLocal
@@ -47,13 +49,16 @@ ROWS: dict[str, tuple[type[FederatedMethod], dict[str, Any]]] = {
     "FedAMP": (FedAMP, {"alpha": 5.0}),
     "APPLE": (APPLE, {"decay_rounds": 4}),
     "FedFomo": (FedFomo, {"models_per_client": 2}),
+    "FedU": (FedU, {}),
+    "FedPAC": (FedPAC, {"local_epochs": None, "head_epochs": 1}),
+    "FedPAC-round": (FedPAC, {"local_epochs": None, "global_centroids": "round"}),
 }
 # the rows whose server holds something (every row but the ones that never communicate)
 SERVED = [n for n in ROWS if n != "HeterogeneousLocal"]
 # store fields that a client that arrived leaves as they were (set once, at Floco's round tau)
 SET_ONCE = {"Floco": {"subregion"}}
 # the methods whose server holds every client's latest model (in the client store)
-SERVER_KEEPS_MODELS = (FedAMP, APPLE, FedFomo)
+SERVER_KEEPS_MODELS = (FedAMP, APPLE, FedFomo, FedU)
 TRAINED = 2  # rounds before the one under test
 FEW_DROPS = {"drop_rate": 0.3}  # Floco's round 0: 3 of the 6 clients' signatures arrive
 
@@ -82,7 +87,7 @@ def store_clients(method: FederatedMethod, field: str) -> list[int]:
 
 def server_state(method: FederatedMethod) -> dict[str, torch.Tensor]:
     """Every server tensor, every gradient the round set and, for the methods whose server
-    keeps every client's model in the client store, the store."""
+    keeps (or, FedU, sends back) every client's model in the client store, the store."""
     grads = {f"{n}.grad": p.grad for n, p in method.named_parameters() if p.grad is not None}
     stored = {f"store.{f}.{n}": t for f, v in store_copy(method).items() for n, t in v.items()}
     kept = stored if isinstance(method, SERVER_KEEPS_MODELS) else {}
@@ -197,6 +202,15 @@ def test_the_server_reads_only_the_uploads_that_arrived(name: str) -> None:
     assert expected.keys() != initial.keys() or any(
         not torch.equal(t, initial[k]) for k, t in expected.items()
     )
+    # what the clients that arrived keep (FedPAC's combined heads, trained models) too
+    clients = honest.sample_clients(r)
+    came = clients[honest.arrived(clients, r)].tolist()
+    for field, tensors in honest.store.fields.items():
+        rows = [i for i, c in enumerate(store_clients(honest, field)) if c in came]
+        for key, tensor in tensors.items():
+            torch.testing.assert_close(
+                garbled.store.fields[field][key][rows], tensor[rows], rtol=0, atol=0
+            )
 
 
 @pytest.mark.parametrize("name", ROWS)
