@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_pfl.conditions import Conditions, Stragglers
+from lightning_pfl.conditions import Conditions, Stragglers, straggler_steps
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.methods import FederatedMethod, fedfomo
 from lightning_pfl.methods.apple import APPLE
@@ -27,6 +27,7 @@ from lightning_pfl.methods.fedu import FedU
 from lightning_pfl.methods.floco import Floco
 from lightning_pfl.methods.hypcluster import HypCluster
 from lightning_pfl.methods.local_zoo import HeterogeneousLocal
+from lightning_pfl.methods.pfedla import PFedLA
 from tests.conftest import build, digits_data, fit
 from tests.helpers import CONF, assert_resume_is_exact
 from tests.test_conditions import DROP, STRAGGLE, one_round, round_with_drops, state, trained
@@ -52,13 +53,14 @@ ROWS: dict[str, tuple[type[FederatedMethod], dict[str, Any]]] = {
     "FedU": (FedU, {}),
     "FedPAC": (FedPAC, {"local_epochs": None, "head_epochs": 1}),
     "FedPAC-round": (FedPAC, {"local_epochs": None, "global_centroids": "round"}),
+    "PFedLA": (PFedLA, {"embed_dim": 8, "hidden_dim": 8, "hn_momentum": 0.5}),
 }
 # the rows whose server holds something (every row but the ones that never communicate)
 SERVED = [n for n in ROWS if n != "HeterogeneousLocal"]
 # store fields that a client that arrived leaves as they were (set once, at Floco's round tau)
 SET_ONCE = {"Floco": {"subregion"}}
 # the methods whose server holds every client's latest model (in the client store)
-SERVER_KEEPS_MODELS = (FedAMP, APPLE, FedFomo, FedU)
+SERVER_KEEPS_MODELS = (FedAMP, APPLE, FedFomo, FedU, PFedLA)
 TRAINED = 2  # rounds before the one under test
 FEW_DROPS = {"drop_rate": 0.3}  # Floco's round 0: 3 of the 6 clients' signatures arrive
 
@@ -87,7 +89,7 @@ def store_clients(method: FederatedMethod, field: str) -> list[int]:
 
 def server_state(method: FederatedMethod) -> dict[str, torch.Tensor]:
     """Every server tensor, every gradient the round set and, for the methods whose server
-    keeps (or, FedU, sends back) every client's model in the client store, the store."""
+    keeps (FedU: sends back) every client's model in the client store, the store."""
     grads = {f"{n}.grad": p.grad for n, p in method.named_parameters() if p.grad is not None}
     stored = {f"store.{f}.{n}": t for f, v in store_copy(method).items() for n, t in v.items()}
     kept = stored if isinstance(method, SERVER_KEEPS_MODELS) else {}
@@ -245,6 +247,22 @@ def test_flocos_projection_places_only_the_clients_whose_signature_arrived() -> 
     after = method.store.fields["subregion"]["subregion"]
     for client, came in enumerate(arrived.tolist()):
         assert torch.equal(after[client], before[client]) != came, client
+
+
+@pytest.mark.parametrize("name", [n for n in ROWS if ROWS[n][0] is not FedPAC])
+def test_a_straggler_takes_exactly_its_drawn_steps(name: str) -> None:
+    """Every local training of the round (FedPAC, whose head phase runs epochs, aside) takes
+    ceil(f * S) of its S = local_steps steps."""
+    steps = 7
+    conditions = Conditions(stragglers=Stragglers(rate=0.7, fraction=0.9, min_fraction=0.1))
+    method = built(name, 5, local_steps=steps, conditions=conditions)
+    assert method.unreliable is not None
+    clients, captured = one_round(method, 0)
+    fraction = method.unreliable.draws(0).fraction[clients]
+    assert (fraction < 1).any() and captured
+    expected = [straggler_steps(float(f), steps) for f in fraction]
+    for result in captured:
+        assert result.steps.tolist() == expected, name
 
 
 @pytest.mark.parametrize("config", ["fedgh.yaml", "fedproto.yaml"])
