@@ -63,6 +63,8 @@ class APPLE(FederatedMethod):
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         dr_lr: PositiveFloat = 1e-3,
@@ -122,7 +124,8 @@ class APPLE(FederatedMethod):
         context[P0] = p0.expand(size, -1)
         context[COEF] = torch.full((size,), coef, device=self.device)
         own = {n: t[clients].clone() for n, t in cores.items()}
-        p = p0 + self.store.gather("p_shift", clients, self.device)[P]
+        shift = self.store.gather("p_shift", clients, self.device)
+        p = p0 + shift[P]
         groups = [
             ParamGroup(tuple(own), self.local_sgd()),
             ParamGroup((P,), SGDConfig(h.dr_lr, h.local_momentum)),
@@ -135,8 +138,13 @@ class APPLE(FederatedMethod):
             loss_fn=self.client_loss,
             context=context,
         )
-        self.store.scatter("core", clients, {n: result.params[n] for n in own})
-        self.store.scatter("p_shift", clients, {P: result.params[P] - p0})
+        # a client that did not report back keeps w_i and p_i - p^0 bit for bit
+        trained = {n: result.params[n] for n in own}
+        self.store.scatter("core", clients, self.where_arrived(clients, round_idx, trained, own))
+        new_shift = {P: result.params[P] - p0}
+        self.store.scatter(
+            "p_shift", clients, self.where_arrived(clients, round_idx, new_shift, shift)
+        )
         downloaded = {n: context[CORES + n] for n in own}
         self.record_communication(down=downloaded, up={n: result.params[n] for n in own})
         return result.loss

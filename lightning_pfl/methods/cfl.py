@@ -99,6 +99,7 @@ class CFL(FederatedMethod):
     """
 
     cluster_of: Tensor  # [num_clients] each client's cluster slot
+    honours_conditions = True
 
     def __init__(
         self,
@@ -145,8 +146,11 @@ class CFL(FederatedMethod):
         )
         rates = None
         if h.lr_decay != 1.0:
-            trained = self.store.gather("rounds", clients, self.device)["trained"] + 1
-            self.store.scatter("rounds", clients, {"trained": trained})
+            counted = self.store.gather("rounds", clients, self.device)
+            trained = counted["trained"] + 1
+            # a round of a client that did not report back is not one of its rounds
+            kept = self.where_arrived(clients, round_idx, {"trained": trained}, counted)
+            self.store.scatter("rounds", clients, kept)
             # the decayed lr alone: the engine keeps the group's other SGD values
             rates = {"0.lr": (h.local_lr * h.lr_decay**trained).float()}
         params = {n: t.clone() for n, t in start.items()}
@@ -156,9 +160,14 @@ class CFL(FederatedMethod):
         delta = torch.cat(
             [(result.params[n] - start[n]).flatten(1) for n in self.arch.shapes], 1
         ).float()
-        self.store.scatter("update", clients, {"delta": delta, "seen": torch.ones(len(clients))})
+        arrived = self.arrived(clients, round_idx)
+        delta = delta * arrived[:, None].to(delta)  # an update that did not arrive: none
+        update = {"delta": delta, "seen": torch.ones(len(clients), device=delta.device)}
+        kept = self.store.gather("update", clients, self.device)
+        self.store.scatter("update", clients, self.where_arrived(clients, round_idx, update, kept))
         self.split(round_idx, clients, delta)
-        self.aggregate(self.cluster_of[clients], start, result.params, self.client_weights(clients))
+        weights = self.client_weights(clients, round_idx)
+        self.aggregate(self.cluster_of[clients], start, result.params, weights)
         self.record_communication(down=start, up=result.params)
         return result.loss
 
@@ -170,7 +179,7 @@ class CFL(FederatedMethod):
             return
         n = h.num_clients
         cluster = self.cluster_of[clients]
-        weights = self.client_weights(clients).double()
+        weights = self.client_weights(clients, round_idx).double()
         members = F.one_hot(cluster, n).double() * weights[:, None]  # [C, n]
         mass = members.sum(0)
         mean_norm = ((members / mass.clamp_min(1e-300)).T @ delta.double()).norm(dim=1)

@@ -50,6 +50,8 @@ class FedAKT(HeterogeneousModels):
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         adapter: dict[str, Any] | None = None,
@@ -141,11 +143,12 @@ class FedAKT(HeterogeneousModels):
 
         losses = self.groups.train_groups(clients, train)
         if self.client_dp is None:
-            received, weights = trained, self.client_weights(clients)
+            received, weights = trained, self.client_weights(clients, round_idx)
         else:  # FedAvg's DP on the adapter
             received, weights = self.dp_uploads(round_idx, sent, trained)
-        for n in received:
-            mean = client_mean(received[n], weights)
-            state[n].grad = state[n].detach() - mean.to(state[n].dtype)
+        if self.client_dp is not None or not self.nothing_arrived(clients, round_idx):
+            for n in received:
+                mean = client_mean(received[n], weights)
+                state[n].grad = state[n].detach() - mean.to(state[n].dtype)
         self.record_communication(down=sent, up=trained)
         return losses

@@ -61,6 +61,8 @@ class FedAMP(FederatedMethod):
     (as at the start).
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         alpha: PositiveFloat = 1.0,
@@ -113,7 +115,11 @@ class FedAMP(FederatedMethod):
             loss_fn=self.prox_loss,
             context=anchor(cloud, self.trainable),
         )
-        self.store.scatter("params", clients, result.params)
+        # a client that did not report back keeps its w_i (it trained nothing from u_i)
+        kept = self.store.gather("params", clients, self.device)
+        self.store.scatter(
+            "params", clients, self.where_arrived(clients, round_idx, result.params, kept)
+        )
         self.record_communication(down=cloud, up=result.params)
         return result.loss
 

@@ -66,6 +66,8 @@ class FedFomo(Local):
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         models_per_client: PositiveInt = 5,
@@ -148,10 +150,15 @@ class FedFomo(Local):
         for n, theta in own.items():
             w = weights.view(c, m, *([1] * (theta.dim() - 1))).to(theta.dtype)
             start[n] = theta + (w * (downloaded[n] - theta.unsqueeze(1))).sum(1)
-        self.affinity[clients.unsqueeze(1), chosen] += weights
+        # the w_ij of a client that did not report back never reach P
+        arrived = self.arrived(clients, round_idx).unsqueeze(1)
+        self.affinity[clients.unsqueeze(1), chosen] += weights * arrived.to(weights)
         momentum = self.store.gather("momentum", clients, self.device)
         result = self.local_train(start, clients, round_idx, momentum=momentum)
-        self.store.scatter("params", clients, result.params)
+        # nor its combined, untrained theta_i the server's copy: it keeps the one it had
+        self.store.scatter(
+            "params", clients, self.where_arrived(clients, round_idx, result.params, own)
+        )
         self.store.scatter("momentum", clients, result.momentum)
         self.record_communication(down=downloaded, up=result.params)
         return result.loss

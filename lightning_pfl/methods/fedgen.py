@@ -69,6 +69,7 @@ class FedGen(FedAvg):
     """
 
     label_prior: Tensor
+    honours_conditions = True
 
     def __init__(
         self,
@@ -128,7 +129,9 @@ class FedGen(FedAvg):
         if h.beta:
             _, labels = self.data.fetch(batches.index)
             context[GEN_TARGET] = self.generator.sample(labels.to(self.device), rng)
-        self.round_label_counts = self.batch_label_counts(batches.index, batches.weight)
+        # the labels of the steps taken (a straggler's cut ones and a dropped client's: none)
+        taken = batches.weight * batches.active.unsqueeze(-1).to(batches.weight)
+        self.round_label_counts = self.batch_label_counts(batches.index, taken)
         return self.local_train(
             start | start_clock(len(clients), self.device),
             clients,
@@ -153,23 +156,26 @@ class FedGen(FedAvg):
             round_idx, clients, {n: t.clone() for n, t in sent.items()}
         )
         uploaded = {n: result.params[n] for n in sent}
-        self.aggregate(uploaded, self.client_weights(clients))
-        counts = self.round_label_counts.sum(0)
-        self.label_prior.copy_(counts / counts.sum())
-        rng = torch.Generator(self.device).manual_seed(
-            derive_seed(h.seed, round_idx, GENERATOR_STREAM, 1)
-        )
-        heads = {n: uploaded[n] for n in self.arch.head_names}
-        train_generator(
-            self.generator,
-            self.generator_optimizer,
-            self.arch,
-            heads,
-            self.label_prior,
-            h.generator_steps,
-            h.generator_batch_size or h.batch_size,
-            rng,
-        )
+        if not self.nothing_arrived(clients, round_idx):
+            self.aggregate(uploaded, self.client_weights(clients, round_idx))
+            counts = self.round_label_counts.sum(0)
+            self.label_prior.copy_(counts / counts.sum())
+            rng = torch.Generator(self.device).manual_seed(
+                derive_seed(h.seed, round_idx, GENERATOR_STREAM, 1)
+            )
+            # the ensemble of the heads that arrived (the server reads the mask)
+            rows = self.arrived(clients, round_idx).nonzero().squeeze(1)
+            heads = {n: uploaded[n][rows] for n in self.arch.head_names}
+            train_generator(
+                self.generator,
+                self.generator_optimizer,
+                self.arch,
+                heads,
+                self.label_prior,
+                h.generator_steps,
+                h.generator_batch_size or h.batch_size,
+                rng,
+            )
         generator = {
             n: t.expand(len(clients), *t.shape) for n, t in self.generator.state_dict().items()
         }

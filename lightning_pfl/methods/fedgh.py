@@ -149,6 +149,8 @@ class FedGH(HeterogeneousModels):
             fresh SGD every round, ``local_epochs`` / ``local_steps``, ``local_lr`` eta).
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         architectures: dict[str, dict[str, Any]] | None = None,
@@ -188,8 +190,9 @@ class FedGH(HeterogeneousModels):
 
         def train(group: GroupShare) -> Tensor:
             kind, rows, members, arch = group.name, group.rows, group.members, group.arch
-            params = self.gather_models(kind, members)
+            kept = self.gather_models(kind, members)
             weight_name, bias_name = self.header_names[kind]
+            params = dict(kept)
             params[weight_name] = self.header.weight.detach().expand(len(rows), -1, -1).clone()
             params[bias_name] = self.header.bias.detach().expand(len(rows), -1).clone()
             result = self.local_train(
@@ -200,14 +203,16 @@ class FedGH(HeterogeneousModels):
                 batches=batches.select(rows),
                 arch=arch,
             )
-            self.scatter_models(kind, members, result.params)
+            # a client that did not report back keeps its own header, not the one it was sent
+            models = self.where_arrived(members, round_idx, result.params, kept)
+            self.scatter_models(kind, members, models)
             reps[rows], counts[rows] = self.class_representations(arch, result.params, members)
             return result.loss
 
         losses = self.groups.train_groups(clients, train)
         present = counts > 0  # the server's one look at what was uploaded
-        uploaded = reps[present]
-        labels = present.nonzero()[:, 1]
+        arrived = present & self.arrived(clients, round_idx).unsqueeze(-1)
+        uploaded, labels = reps[arrived], arrived.nonzero()[:, 1]
         with torch.no_grad():
             w, b = train_header(
                 self.header.weight, self.header.bias, uploaded, labels, h.header_lr, h.header_epochs
@@ -217,7 +222,9 @@ class FedGH(HeterogeneousModels):
         sent = {
             n: p.detach().expand(len(clients), *p.shape) for n, p in self.header.named_parameters()
         }
-        self.record_communication(down=sent, up={"representations": uploaded, "classes": labels})
+        # every sampled client's pairs: record_communication counts the arrived share
+        up = {"representations": reps[present], "classes": present.nonzero()[:, 1]}
+        self.record_communication(down=sent, up=up)
         return losses
 
     @torch.no_grad()

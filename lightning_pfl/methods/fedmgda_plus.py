@@ -92,6 +92,8 @@ class FedMGDAPlus(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         epsilon: UnitInterval = 0.1,
@@ -119,10 +121,16 @@ class FedMGDAPlus(FedAvg):
         sent = self.payload(clients)
         result = self.local_train({n: t.clone() for n, t in sent.items()}, clients, round_idx)
         uploaded = {n: result.params[n] for n in sent}
-        shares = self.client_weights(clients)
+        self.record_communication(down=sent, up=uploaded)
+        if self.nothing_arrived(clients, round_idx):
+            return result.loss
+        shares = self.client_weights(clients, round_idx)
         self.aggregate(uploaded, shares)  # buffers: the weighted mean
+        # the m clients that reported back are the objectives (the server reads the mask)
+        rows = self.arrived(clients, round_idx).nonzero().squeeze(1)
+        shares = shares[rows]
         params = dict(self.net.named_parameters())
-        updates = {n: (sent[n] - uploaded[n]).double() for n in params}  # g_i = w - w_i
+        updates = {n: (sent[n][rows] - uploaded[n][rows]).double() for n in params}  # w - w_i
         gram = sum(g.flatten(1) @ g.flatten(1).T for g in updates.values())
         assert isinstance(gram, Tensor)
         scale = torch.ones_like(gram[0])
@@ -134,5 +142,4 @@ class FedMGDAPlus(FedAvg):
         )
         for name, p in params.items():
             p.grad = client_mean(updates[name], weights * scale).to(p.dtype)
-        self.record_communication(down=sent, up=uploaded)
         return result.loss

@@ -127,6 +127,8 @@ class FedPAC(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg` (paper: no clipping).
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         lam: NonNegativeFloat = 1.0,
@@ -227,16 +229,25 @@ class FedPAC(FedAvg):
         h, v = self._statistics
         mean, counts = self._centroids
         self._statistics = self._centroids = None
-        alpha = combination_weights(h, v)
         heads = self.store.gather("personal", clients, self.device)
-        combined = {name: torch.einsum("ij,j...->i...", alpha, t) for name, t in heads.items()}
+        combined = dict(heads)  # a client that did not report back keeps its head
+        arrived = self.arrived(clients, round_idx)
+        rows = arrived.nonzero().squeeze(1)  # the server's QP over the clients that arrived
+        if len(rows):
+            alpha = combination_weights(h[rows], v[rows])
+            for name, t in heads.items():
+                mixed = torch.einsum("ij,j...->i...", alpha, t[rows])
+                combined[name] = t.index_copy(0, rows, mixed)
+            if self.hp.global_centroids == "round":
+                self.centroids.zero_()
+                self.has_centroid.zero_()
+            arrived_counts = counts * arrived.unsqueeze(-1).to(counts)
+            new, present = aggregate_prototypes(
+                mean, arrived_counts, self.centroids, self.has_centroid
+            )
+            self.centroids.copy_(new)
+            self.has_centroid.copy_(present)
         self.store.scatter("personal", clients, combined)
-        if self.hp.global_centroids == "round":
-            self.centroids.zero_()
-            self.has_centroid.zero_()
-        new, present = aggregate_prototypes(mean, counts, self.centroids, self.has_centroid)
-        self.centroids.copy_(new)
-        self.has_centroid.copy_(present)
         body = self.payload(clients)
         self.record_communication(
             down=body | combined | {"centroids": self.centroids.expand(len(clients), -1, -1)},

@@ -209,6 +209,8 @@ class FedProto(Local):
             the library's: the paper's 8 as our docs read it, the authors' ``--local_bs`` 4).
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         lam: NonNegativeFloat = 1.0,
@@ -278,6 +280,7 @@ class FedProto(Local):
         self.store.scatter("params", clients, result.params)
         if kept:
             self.store.scatter("momentum", clients, result.momentum)
+        counts = counts * self.arrived(clients, round_idx).unsqueeze(-1).to(counts)
         new, present = self.global_prototypes(local, counts)
         self.prototypes.copy_(new)
         self.has_prototype.copy_(present)

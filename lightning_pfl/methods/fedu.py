@@ -52,6 +52,8 @@ class FedU(Local):
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         lam: NonNegativeFloat = 1.0,
@@ -82,9 +84,13 @@ class FedU(Local):
         params = self.store.gather("params", clients, self.device)
         momentum = self.store.gather("momentum", clients, self.device)
         result = self.local_train(params, clients, round_idx, momentum=momentum)
-        a = self.adjacency[clients][:, clients]
+        # S: the clients whose models arrived; the others get nothing back and keep w_i
+        arrived = self.arrived(clients, round_idx).to(self.adjacency)
+        a = self.adjacency[clients][:, clients] * arrived[:, None] * arrived[None, :]
         pulled = laplacian_step(result.params, a, self.hp.local_lr * self.hp.lam)
-        self.store.scatter("params", clients, pulled)
+        self.store.scatter(
+            "params", clients, self.where_arrived(clients, round_idx, pulled, params)
+        )
         self.store.scatter("momentum", clients, result.momentum)
         self.record_communication(down=pulled, up=result.params)
         return result.loss

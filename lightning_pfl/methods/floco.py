@@ -93,6 +93,8 @@ class Floco(FedAvg):
         **kwargs: see :class:`~lightning_pfl.methods.fedavg.FedAvg`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         endpoints: PositiveInt = 10,
@@ -186,9 +188,12 @@ class Floco(FedAvg):
         everyone = torch.arange(self.num_training_clients, device=self.device)
         sent = self.payload(everyone)
         result = self.train_clients(round_idx, everyone, dict(sent), phase=SIGNATURE_PHASE)
-        update = sent[SIMPLEX] - result.params[SIMPLEX]
-        centers = simplex_centers(update.flatten(1), self.hp.endpoints)
-        self.store.scatter(REGION, everyone, {REGION: centers})
+        # the signatures that arrived place their clients; the others keep the simplex center
+        rows = self.arrived(everyone, round_idx).nonzero().squeeze(1)
+        if len(rows):
+            update = (sent[SIMPLEX] - result.params[SIMPLEX])[rows]
+            centers = simplex_centers(update.flatten(1), self.hp.endpoints)
+            self.store.scatter(REGION, everyone[rows], {REGION: centers})
         return sent, {SIMPLEX: result.params[SIMPLEX]}
 
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
@@ -200,7 +205,8 @@ class Floco(FedAvg):
             round_idx, clients, {n: t.clone() for n, t in sent.items()}
         )
         uploaded = {n: result.params[n] for n in sent}
-        self.aggregate(uploaded, self.client_weights(clients))
+        if not self.nothing_arrived(clients, round_idx):
+            self.aggregate(uploaded, self.client_weights(clients, round_idx))
         self.record_communication(
             down=sent | {f"projection.{n}": t for n, t in extra[0].items()},
             up=uploaded | {f"projection.{n}": t for n, t in extra[1].items()},

@@ -33,6 +33,8 @@ class HypCluster(FederatedMethod):
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         num_hypotheses: PositiveInt = 2,
@@ -92,7 +94,8 @@ class HypCluster(FederatedMethod):
         cluster = self.assign(clients)
         start = {n: t[cluster].clone() for n, t in models.items()}
         result = self.local_train(start, clients, round_idx)
-        self.aggregate(result.params, cluster, self.client_weights(clients))
+        if not self.nothing_arrived(clients, round_idx):
+            self.aggregate(result.params, cluster, self.client_weights(clients, round_idx))
         sent = {n: t.expand(len(clients), *t.shape) for n, t in models.items()}  # all q models
         self.record_communication(down=sent, up=result.params)
         return result.loss

@@ -28,6 +28,7 @@ class HeterogeneousLocal(HeterogeneousModels):
     """
 
     shares_header = False
+    honours_conditions = True
 
     def __init__(
         self, architectures: dict[str, dict[str, Any]] | None = None, **kwargs: Any

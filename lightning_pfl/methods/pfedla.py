@@ -129,6 +129,8 @@ class PFedLA(FederatedMethod):
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         embed_dim: PositiveInt = 100,
@@ -184,15 +186,25 @@ class PFedLA(FederatedMethod):
         mixed = self.aggregate(self.hnet(clients), self.all_models())
         sent = {n: t.detach() for n, t in mixed.items()}
         result = self.local_train({n: t.clone() for n, t in sent.items()}, clients, round_idx)
-        delta = {n: sent[n] - result.params[n] for n in sent}
-        self.store.scatter("params", clients, result.params)
+        # a client that did not report back keeps theta_i; its delta_i counts as 0
+        kept = self.store.gather("params", clients, self.device)
+        self.store.scatter(
+            "params", clients, self.where_arrived(clients, round_idx, result.params, kept)
+        )
+        arrived = self.arrived(clients, round_idx)
+        delta = {
+            n: (t - result.params[n]) * arrived.view(-1, *[1] * (t.dim() - 1)).to(t)
+            for n, t in sent.items()
+        }
+        self.record_communication(down=sent, up=delta)
+        if self.nothing_arrived(clients, round_idx):
+            return result.loss
         params = list(self.hnet.parameters())
         grads = torch.autograd.grad(
             list(mixed.values()), params, grad_outputs=[delta[n] for n in mixed]
         )
         for p, g in zip(params, grads, strict=True):
             p.grad = g
-        self.record_communication(down=sent, up=delta)
         return result.loss
 
     def personalized_params(self, clients: Tensor) -> Params:
