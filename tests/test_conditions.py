@@ -18,7 +18,7 @@ from lightning_pfl.costs import RoundCosts
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN
 from lightning_pfl.methods.ditto import Ditto
-from lightning_pfl.methods.fedpac import FedPAC
+from lightning_pfl.methods.power_of_choice import FedAvgPoC
 from tests.conftest import build, digits_data, fit
 from tests.helpers import CONF, assert_resume_is_exact, capture_local_training, run_dir
 from tests.test_bad_inputs import run_cli
@@ -208,9 +208,9 @@ def test_bad_conditions_are_refused_before_any_folder_exists(
 def test_methods_that_cannot_honour_the_conditions_refuse_them() -> None:
     dm = digits_data(4)
 
-    with pytest.raises(ConfigError, match="FedPAC does not weigh its aggregation"):
-        build(FedPAC, dm, clients_per_round=2, conditions=DROP)
-    build(FedPAC, dm, clients_per_round=2, conditions={})  # reliable: accepted
+    with pytest.raises(ConfigError, match="FedAvgPoC does not weigh its aggregation"):
+        build(FedAvgPoC, dm, clients_per_round=2, conditions=DROP)
+    build(FedAvgPoC, dm, clients_per_round=2, conditions={})  # reliable: accepted
 
 
 def test_resume_with_conditions_is_exact(tmp_path: Path) -> None:
