@@ -15,6 +15,7 @@ import yaml
 import lightning_pfl.methods as methods
 from lightning_pfl.conditions import Conditions, Stragglers, straggler_steps
 from lightning_pfl.costs import RoundCosts
+from lightning_pfl.engine import TrainResult
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN
 from lightning_pfl.methods.ditto import Ditto
@@ -67,6 +68,31 @@ def round_with_drops(method: FederatedMethod) -> int:
         if 0 < int(arrived.sum()) < len(arrived):
             return r
     raise AssertionError("no round with a partial drop")
+
+
+def arrivals(method: FederatedMethod, round_idx: int) -> torch.Tensor:
+    return method.arrived(method.sample_clients(round_idx), round_idx)
+
+
+def store_copy(method: FederatedMethod) -> dict[str, dict[str, torch.Tensor]]:
+    return {f: {n: t.clone() for n, t in v.items()} for f, v in method.store.fields.items()}
+
+
+def garbled_dropped_uploads(method: FederatedMethod, round_idx: int) -> None:
+    """Make every local-training result of the clients that did not arrive nonsense (their
+    trained tensors + 1): a server that reads only what arrived cannot tell."""
+    original = method.local_train
+
+    def wrapped(params: Any, clients: torch.Tensor, *args: Any, **kwargs: Any) -> TrainResult:
+        result = original(params, clients, *args, **kwargs)
+        arrived = method.arrived(clients, round_idx)
+        garbled = {
+            n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, t + 1)
+            for n, t in result.params.items()
+        }
+        return TrainResult(garbled, result.momentum, result.loss, result.steps, result.state)
+
+    method.local_train = wrapped  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("cls", [Local, Ditto])

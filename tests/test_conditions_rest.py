@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from lightning_pfl.conditions import Conditions, Stragglers, straggler_steps
-from lightning_pfl.engine import TrainResult
 from lightning_pfl.methods import FederatedMethod, fedfomo
 from lightning_pfl.methods.apple import APPLE
 from lightning_pfl.methods.cfl import CFL
@@ -30,7 +29,17 @@ from lightning_pfl.methods.local_zoo import HeterogeneousLocal
 from lightning_pfl.methods.pfedla import PFedLA
 from tests.conftest import build, digits_data, fit
 from tests.helpers import CONF, assert_resume_is_exact
-from tests.test_conditions import DROP, STRAGGLE, one_round, round_with_drops, state, trained
+from tests.test_conditions import (
+    DROP,
+    STRAGGLE,
+    arrivals,
+    garbled_dropped_uploads,
+    one_round,
+    round_with_drops,
+    state,
+    store_copy,
+    trained,
+)
 
 # method -> (class, arguments beyond tests.conftest.build's)
 ROWS: dict[str, tuple[type[FederatedMethod], dict[str, Any]]] = {
@@ -68,14 +77,6 @@ FEW_DROPS = {"drop_rate": 0.3}  # Floco's round 0: 3 of the 6 clients' signature
 def built(name: str, clients_per_round: int, **kwargs: Any) -> FederatedMethod:
     cls, arguments = ROWS[name]
     return build(cls, digits_data(6), clients_per_round=clients_per_round, **arguments, **kwargs)
-
-
-def arrivals(method: FederatedMethod, round_idx: int) -> torch.Tensor:
-    return method.arrived(method.sample_clients(round_idx), round_idx)
-
-
-def store_copy(method: FederatedMethod) -> dict[str, dict[str, torch.Tensor]]:
-    return {f: {n: t.clone() for n, t in v.items()} for f, v in method.store.fields.items()}
 
 
 def store_clients(method: FederatedMethod, field: str) -> list[int]:
@@ -168,23 +169,6 @@ def test_fedfomos_affinity_adds_only_the_weights_that_arrived(
     after = method.get_buffer("affinity")
     for client, came in zip(clients.tolist(), method.arrived(clients, r).tolist(), strict=True):
         assert torch.equal(after[client], before[client]) != came, client
-
-
-def garbled_dropped_uploads(method: FederatedMethod, round_idx: int) -> None:
-    """Make every local-training result of the clients that did not arrive nonsense (their
-    trained tensors + 1): a server that reads only what arrived cannot tell."""
-    original = method.local_train
-
-    def wrapped(params: Any, clients: torch.Tensor, *args: Any, **kwargs: Any) -> TrainResult:
-        result = original(params, clients, *args, **kwargs)
-        arrived = method.arrived(clients, round_idx)
-        garbled = {
-            n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, t + 1)
-            for n, t in result.params.items()
-        }
-        return TrainResult(garbled, result.momentum, result.loss, result.steps, result.state)
-
-    method.local_train = wrapped  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("name", SERVED)

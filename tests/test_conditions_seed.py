@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from lightning_pfl.conditions import Conditions, Stragglers, straggler_steps
-from lightning_pfl.engine import TrainResult
 from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.methods.ccvr import CCVR
 from lightning_pfl.methods.fedcp import FedCP
@@ -28,7 +27,16 @@ from lightning_pfl.methods.pfedkt import PFedKT
 from lightning_pfl.methods.vanilla_pt import VanillaPersonalizedT
 from tests.conftest import build, digits_data, fit
 from tests.helpers import CONF, assert_resume_is_exact
-from tests.test_conditions import DROP, one_round, round_with_drops, state, trained
+from tests.test_conditions import (
+    DROP,
+    arrivals,
+    garbled_dropped_uploads,
+    one_round,
+    round_with_drops,
+    state,
+    store_copy,
+    trained,
+)
 
 VIT: dict[str, Any] = {
     "net": "vit",
@@ -96,14 +104,6 @@ def test_reliable_conditions_equal_a_run_without_them_bit_for_bit(name: str) -> 
 TRAINED = 2  # rounds before the one under test
 
 
-def arrivals(method: FederatedMethod, round_idx: int) -> torch.Tensor:
-    return method.arrived(method.sample_clients(round_idx), round_idx)
-
-
-def store_copy(method: FederatedMethod) -> dict[str, dict[str, torch.Tensor]]:
-    return {f: {n: t.clone() for n, t in v.items()} for f, v in method.store.fields.items()}
-
-
 @pytest.mark.parametrize("name", STATEFUL)
 def test_a_dropped_clients_state_is_untouched(name: str) -> None:
     """Every per-client tensor of a dropped client ends the round as it began; every one of
@@ -120,23 +120,6 @@ def test_a_dropped_clients_state_is_untouched(name: str) -> None:
                 same = torch.equal(tensor[client], before[field][key][client])
                 if not (came and field in STATEFUL[name]):
                     assert same != came, (field, key, client, came)
-
-
-def garbled_dropped_uploads(method: FederatedMethod, round_idx: int) -> None:
-    """Make every local-training result of the clients that did not arrive nonsense (their
-    trained tensors + 1): a server that reads only what arrived cannot tell."""
-    original = method.local_train
-
-    def wrapped(params: Any, clients: torch.Tensor, *args: Any, **kwargs: Any) -> TrainResult:
-        result = original(params, clients, *args, **kwargs)
-        arrived = method.arrived(clients, round_idx)
-        garbled = {
-            n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, t + 1)
-            for n, t in result.params.items()
-        }
-        return TrainResult(garbled, result.momentum, result.loss, result.steps, result.state)
-
-    method.local_train = wrapped  # type: ignore[method-assign]
 
 
 def server_update(method: FederatedMethod) -> dict[str, torch.Tensor]:
