@@ -22,6 +22,7 @@ from lightning_pfl.run_record import RunRecord
 from lightning_pfl.streams import CLIENT_STREAM
 
 if TYPE_CHECKING:
+    from lightning_pfl.client_state import ClientStateStore
     from lightning_pfl.datamodule import FederatedDataModule
 
 
@@ -34,6 +35,7 @@ class Participation(LightningModule):
         unreliable: UnreliableClients | None
         round_reach: tuple[int, int, int, int]
         record: RunRecord
+        store: ClientStateStore
 
         @property
         def hp(self) -> AttributeDict: ...
@@ -101,6 +103,17 @@ class Participation(LightningModule):
             n: torch.where(arrived.view(-1, *[1] * (t.dim() - 1)), t, old[n])
             for n, t in new.items()
         }
+
+    def scatter_arrived(
+        self, field: str, clients: Tensor, round_idx: int, new: Mapping[str, Tensor]
+    ) -> None:
+        """Store ``new`` as client-store ``field`` of the ``clients`` that reported back in round
+        ``round_idx``; the others keep theirs (:meth:`where_arrived`). Without ``conditions``
+        a plain scatter: the kept state is read only when a client can drop."""
+        if self.unreliable is not None:
+            kept = self.store.gather(field, clients, self.device)
+            new = self.where_arrived(clients, round_idx, new, kept)
+        self.store.scatter(field, clients, new)
 
     def nothing_arrived(self, clients: Tensor, round_idx: int) -> bool:
         """Whether none of ``clients`` reported back in round ``round_idx``: the server then

@@ -163,8 +163,7 @@ class CFL(FederatedMethod):
         arrived = self.arrived(clients, round_idx)
         delta = delta * arrived[:, None].to(delta)  # an update that did not arrive: none
         update = {"delta": delta, "seen": torch.ones(len(clients), device=delta.device)}
-        kept = self.store.gather("update", clients, self.device)
-        self.store.scatter("update", clients, self.where_arrived(clients, round_idx, update, kept))
+        self.scatter_arrived("update", clients, round_idx, update)
         self.split(round_idx, clients, delta)
         weights = self.client_weights(clients, round_idx)
         self.aggregate(self.cluster_of[clients], start, result.params, weights)

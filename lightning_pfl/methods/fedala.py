@@ -183,9 +183,7 @@ class FedALA(FedAvg):
             self.store.scatter("weights", clients, weights)
         result = self.local_train({n: t.clone() for n, t in start.items()}, clients, round_idx)
         # the mixed start of a client that dropped is not its model: it keeps Theta_i
-        kept = self.store.gather("local", clients, self.device)
-        trained = self.where_arrived(clients, round_idx, result.params, kept)
-        self.store.scatter("local", clients, trained)
+        self.scatter_arrived("local", clients, round_idx, result.params)
         self.visits[clients.cpu()] += self.arrived(clients.cpu(), round_idx).long()
         return result
 

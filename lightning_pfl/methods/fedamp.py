@@ -116,10 +116,7 @@ class FedAMP(FederatedMethod):
             context=anchor(cloud, self.trainable),
         )
         # a client that did not report back keeps its w_i (it trained nothing from u_i)
-        kept = self.store.gather("params", clients, self.device)
-        self.store.scatter(
-            "params", clients, self.where_arrived(clients, round_idx, result.params, kept)
-        )
+        self.scatter_arrived("params", clients, round_idx, result.params)
         self.record_communication(down=cloud, up=result.params)
         return result.loss
 

@@ -152,12 +152,9 @@ class PartialFed(FedAvg):
         local = self.local_models(clients, start)
         load = self.select(round_idx, clients, start, local)
         result = self.local_train(mix_layers(start, local, load), clients, round_idx)
-        kept, seen = (self.store.gather(f, clients, self.device) for f in ("local", "seen"))
-        self.store.scatter(
-            "local", clients, self.where_arrived(clients, round_idx, result.params, kept)
-        )
-        now_seen = {"seen": torch.ones(len(clients), device=self.device)}
-        self.store.scatter("seen", clients, self.where_arrived(clients, round_idx, now_seen, seen))
+        self.scatter_arrived("local", clients, round_idx, result.params)
+        seen = {"seen": torch.ones(len(clients), device=self.device)}
+        self.scatter_arrived("seen", clients, round_idx, seen)
         return result
 
     def personalized_params(self, clients: Tensor) -> Params:

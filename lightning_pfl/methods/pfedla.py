@@ -187,10 +187,7 @@ class PFedLA(FederatedMethod):
         sent = {n: t.detach() for n, t in mixed.items()}
         result = self.local_train({n: t.clone() for n, t in sent.items()}, clients, round_idx)
         # a client that did not report back keeps theta_i; its delta_i counts as 0
-        kept = self.store.gather("params", clients, self.device)
-        self.store.scatter(
-            "params", clients, self.where_arrived(clients, round_idx, result.params, kept)
-        )
+        self.scatter_arrived("params", clients, round_idx, result.params)
         arrived = self.arrived(clients, round_idx)
         delta = {
             n: (t - result.params[n]) * arrived.view(-1, *[1] * (t.dim() - 1)).to(t)

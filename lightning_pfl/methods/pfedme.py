@@ -192,9 +192,7 @@ class PFedMe(FedAvg):
             {**start, **theta}, clients, round_idx, groups, loss_fn=self.client_loss
         )
         # theta starts from the received w: a client that dropped (no step) keeps its own
-        kept = self.store.gather("theta", clients, self.device)
-        trained = {n: result.params[n] for n in theta}
-        self.store.scatter("theta", clients, self.where_arrived(clients, round_idx, trained, kept))
+        self.scatter_arrived("theta", clients, round_idx, {n: result.params[n] for n in theta})
         return result
 
     def personalized_params(self, clients: Tensor) -> Params:
