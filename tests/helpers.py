@@ -96,9 +96,17 @@ def assert_vectorized_equals_sequential(
             loss, slow_eval[2], rtol=1e-4, atol=1e-4, msg=lambda m, p=path: f"{p}: loss: {m}"
         )
         fast, fast_store = method.state_dict(), method.store.state_dict()
+        # the threaded loop convolves channels-last images, another kernel: after 3 rounds
+        # pFedGP's conv1 weights differed from the NCHW reference by up to 1.9e-5 (AMD EPYC),
+        # where one round moves them by 1.1e-2 (median; measured)
+        atol = 1e-4 if path == "threads" else 1e-5
         for name in fast:
             torch.testing.assert_close(
-                fast[name], slow[name], rtol=1e-4, atol=1e-5, msg=f"{path}: {name}"
+                fast[name],
+                slow[name],
+                rtol=1e-4,
+                atol=atol,
+                msg=lambda m, where=f"{path}: {name}": f"{where}: {m}",
             )
         for field, tensors in fast_store.items():
             for name in tensors:
@@ -106,8 +114,8 @@ def assert_vectorized_equals_sequential(
                     tensors[name],
                     slow_store[field][name],
                     rtol=1e-4,
-                    atol=1e-5,
-                    msg=f"{path}: {field} {name}",
+                    atol=atol,
+                    msg=lambda m, where=f"{path}: {field} {name}": f"{where}: {m}",
                 )
 
 
