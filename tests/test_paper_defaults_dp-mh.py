@@ -103,7 +103,9 @@ def test_each_clients_shared_contribution_is_clipped_to_c_and_the_personal_part_
     expected = torch.autograd.grad(surrogate, personal, retain_graph=True, allow_unused=True)
     clip = float(torch.stack(norms).median())
     method.client_dp = ClientDP(0.0, clip)
-    method.private_server_gradients(generated, deltas, torch.Generator())
+    method.private_server_gradients(
+        generated, deltas, torch.Generator(), torch.tensor([0, 2, 3, 4, 5]), 0
+    )
     factors = [min(1.0, clip / float(n)) for n in norms]
     assert min(factors) < 1 and max(factors) == 1, "some clients clipped, some not"
     for f, n in zip(factors, norms, strict=True):
@@ -124,7 +126,9 @@ def test_noise_std_is_sigma_c_over_the_expected_clients_on_every_shared_tensor()
     method = build_dp(client_dp=ClientDP(sigma, clip), hn_max_grad_norm=None, clients_per_round=3)
     generated = [method.hnet([0, 1, 2])]  # the mlp clients' head (tau 4) is read by none
     zero = [torch.zeros_like(generated[0])]
-    method.private_server_gradients(generated, zero, torch.Generator().manual_seed(0))
+    method.private_server_gradients(
+        generated, zero, torch.Generator().manual_seed(0), torch.arange(3), 0
+    )
     noise = shared_gradient(method)
     assert len(noise) > 10_000
     assert noise.std().item() == pytest.approx(sigma * clip / 3, rel=0.03)
@@ -135,7 +139,9 @@ def test_noise_std_is_sigma_c_over_the_expected_clients_on_every_shared_tensor()
     assert embeddings.grad is not None and not embeddings.grad.any()  # no noise, no signal
     assert own_head.grad is None  # client 5's head: not read, personal, no noise
     again = build_dp(client_dp=ClientDP(sigma, clip), hn_max_grad_norm=None, clients_per_round=3)
-    again.private_server_gradients([again.hnet([0, 1, 2])], zero, torch.Generator().manual_seed(0))
+    again.private_server_gradients(
+        [again.hnet([0, 1, 2])], zero, torch.Generator().manual_seed(0), torch.arange(3), 0
+    )
     assert torch.equal(noise, shared_gradient(again))
 
 

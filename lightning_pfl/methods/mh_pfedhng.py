@@ -41,7 +41,9 @@ class MHPFedHNG(MHPFedHN):
     global deltas, sum_i p_i delta_g,i with p_i = n_i / sum_holders n_j, clips it and takes an
     Adam step (a round without a holder takes none); then the personal round of
     :class:`MHPFedHN` runs from the updated phi (its steps by ``hn_update``). Batch-norm
-    statistics of a client's copy of the global model stay with the client.
+    statistics of a client's copy of the global model stay with the client. With unreliable
+    clients (``conditions``) p_i is renormalized over the holders that reported back, and a
+    round where none did takes no global step.
 
     Args:
         global_net: the global model's architecture: a group of ``architectures``, or a
@@ -61,6 +63,8 @@ class MHPFedHNG(MHPFedHN):
             head of its own.
         **kwargs: see :class:`MHPFedHN`.
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -136,10 +140,11 @@ class MHPFedHNG(MHPFedHN):
                 self.global_loss,
                 buffers=("global_buffers", holders) if self.global_arch.stateful else None,
             )
-            weights = self.client_weights(holders)[:, None].to(delta)
-            mean = (weights * delta).sum(0, keepdim=True)
-            self.server_gradients([flat], [mean], torch.ones(1, device=self.device))
-            self.step_server()
+            if not self.nothing_arrived(holders, round_idx):  # else: no global step
+                weights = self.client_weights(holders, round_idx)[:, None].to(delta)
+                mean = (weights * delta).sum(0, keepdim=True)
+                self.server_gradients([flat], [mean], torch.ones(1, device=self.device))
+                self.step_server()
             if self.distills():  # non-holders get zeros in place of a teacher, never read
                 teacher = trained if h.get("distill_teacher") == "trained" else received
                 teachers = {
