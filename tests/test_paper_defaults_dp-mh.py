@@ -177,22 +177,24 @@ def test_resume_is_exact_with_dp(tmp_path: Path) -> None:
     assert straight["privacy"]["epsilon"] == expected and straight["privacy"]["rounds"] == 6
 
 
-def test_per_client_server_steps_and_the_global_model_variants_are_refused() -> None:
+def test_per_client_server_steps_and_the_papers_global_step_are_refused() -> None:
     dm = digits_data(6)
     for update in ("sequential", "per_client"):
         with pytest.raises(ConfigError, match=f"hn_update = '{update}'.*hn_update: mean"):
             build(MHPFedHN, dm, **{**OPTIONS, "hn_update": update}, client_dp=ClientDP())
-    for cls in (MHPFedHNG, MHPFedHNGD):
-        with pytest.raises(ConfigError, match=f"{cls.__name__}.*global model's step"):
+    for cls in (MHPFedHNG, MHPFedHNGD):  # the paper's global step before the personal round
+        with pytest.raises(ConfigError, match=f"{cls.__name__}.*global_step: joint"):
             build(cls, dm, **OPTIONS, client_dp=ClientDP())
+        with pytest.raises(ConfigError, match="global_step = 'joint'.*hn_update: mean"):
+            build(cls, dm, **{**OPTIONS, "hn_update": "sequential"}, global_step="joint")
 
 
 @pytest.mark.parametrize(
     ("config", "extra", "named"),
     [
         ("mh_pfedhn.yaml", ["--model.init_args.hn_update=sequential"], "hn_update"),
-        ("mh_pfedhng.yaml", [], "MHPFedHNG"),
-        ("mh_pfedhngd.yaml", [], "MHPFedHNGD"),
+        ("mh_pfedhng.yaml", ["--model.init_args.hn_update=mean"], "global_step: joint"),
+        ("mh_pfedhngd.yaml", ["--model.init_args.global_step=joint"], "hn_update: mean"),
     ],
 )
 def test_refusals_come_before_any_folder_exists(

@@ -492,15 +492,9 @@ class MHPFedHN(FederatedMethod):
                     self.server_gradients([sent[-1][2]], [sent[-1][3]], losses.new_ones(1))
         else:
             losses = self.zoo.train_groups(clients, train)
-            generated, deltas = [g for *_, g, _ in sent], [d for *_, d in sent]
-            if self.hp.hn_update == "mean" and self.client_dp is not None:
-                generator = self.client_dp_generator(round_idx)
-                members = clients[self.group_order(sent)]
-                self.private_server_gradients(generated, deltas, generator, members, round_idx)
-            elif self.hp.hn_update == "mean" and any(reported):  # nothing arrived: no gradient
-                weights = self.client_weights(clients, round_idx, uniform=True)
-                self.server_gradients(generated, deltas, weights[self.group_order(sent)])
-            elif self.hp.hn_update == "per_client":
+            if self.hp.hn_update == "mean":
+                self.mean_update(sent, clients, round_idx, any(reported))
+            else:
                 self.per_client_steps(sent, round_idx, reported)
         kinds = list(dict.fromkeys(kind for kind, *_ in sent))
         down = {k: torch.cat([g.detach() for j, _, g, _ in sent if j == k]) for k in kinds}
@@ -509,6 +503,26 @@ class MHPFedHN(FederatedMethod):
             delta = torch.cat([d for j, *_, d in sent if j == k])
             up |= {f"{k}.{n}": t for n, t in self.uploaded(delta).items()}
         return losses, down, up
+
+    def mean_update(
+        self,
+        sent: list[tuple[str, list[int], Tensor, Tensor]],
+        clients: Tensor,
+        round_idx: int,
+        any_arrived: bool,
+    ) -> None:
+        """``hn_update: mean``: set grad(phi, v) from the round's ``sent`` groups (kind,
+        positions among ``clients``, generated ``[C_j, K_j]`` with its graph, deltas) with equal
+        weights over the clients that reported back (none, ``any_arrived`` False: no
+        gradient), or with ``client_dp`` by :meth:`private_server_gradients`."""
+        generated, deltas = [g for *_, g, _ in sent], [d for *_, d in sent]
+        order = self.group_order(sent)
+        if self.client_dp is not None:
+            generator = self.client_dp_generator(round_idx)
+            self.private_server_gradients(generated, deltas, generator, clients[order], round_idx)
+        elif any_arrived:
+            weights = self.client_weights(clients, round_idx, uniform=True)
+            self.server_gradients(generated, deltas, weights[order])
 
     def update_order(self, round_idx: int, count: int) -> list[int]:
         """The order (positions among the round's ``count`` clients) of the server's per-client
