@@ -38,11 +38,6 @@ CHUNK = 1 << 16  # elements whose float64 squares squared_norms forms at once (5
 # (one clipped, noised sum per round, weights fixed in advance) does not cover it or is not
 # implemented for it (docs/privacy.md has the table; tests/test_privacy_methods.py checks that
 # every library method either privatizes its round or is here).
-_MHG = (
-    "the deltas of its own model and of the global model",
-    "the global model's step is a second server step each round (the sample-weighted mean of "
-    "the holders' global deltas, which also moves the shared MLP), which has no DP version",
-)
 REFUSED: dict[str, tuple[str, str]] = {
     "Local": ("nothing", "every client trains alone, so there is no release to privatize"),
     "HeterogeneousLocal": (
@@ -97,8 +92,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "the descriptor and the embedding network's gradient are two more uploads, each "
         "needing its own clip and noise (not implemented)",
     ),
-    "MHPFedHNG": _MHG,
-    "MHPFedHNGD": _MHG,
     "APPLE": (
         "its core model",
         "every client downloads all N core models as they are and mixes them with its own "
@@ -225,8 +218,8 @@ class ClientDP:
                 f"{uploads}; {why} (docs/privacy.md). Remove client_dp, or use a method whose "
                 "round privatizes its uploads: FedAvg and the FedAvg subclasses that keep its "
                 "round (FedPer, FedProx, Ditto, ...), FedDyn, FedCP, FedAKT, SCAFFOLD, PFedHN, "
-                "PFedHNPC, PFedLHN, PFedHNBudgets, MHPFedHN, FedTP, FedTPPer, FedTPRoD or "
-                "FedTPKNN."
+                "PFedHNPC, PFedLHN, PFedHNBudgets, MHPFedHN, MHPFedHNG, MHPFedHNGD, FedTP, "
+                "FedTPPer, FedTPRoD or FedTPKNN."
             )
         return str(what)
 

@@ -103,7 +103,9 @@ def test_each_clients_shared_contribution_is_clipped_to_c_and_the_personal_part_
     expected = torch.autograd.grad(surrogate, personal, retain_graph=True, allow_unused=True)
     clip = float(torch.stack(norms).median())
     method.client_dp = ClientDP(0.0, clip)
-    method.private_server_gradients(generated, deltas, torch.Generator())
+    method.private_server_gradients(
+        generated, deltas, torch.Generator(), torch.tensor([0, 2, 3, 4, 5]), 0
+    )
     factors = [min(1.0, clip / float(n)) for n in norms]
     assert min(factors) < 1 and max(factors) == 1, "some clients clipped, some not"
     for f, n in zip(factors, norms, strict=True):
@@ -124,7 +126,9 @@ def test_noise_std_is_sigma_c_over_the_expected_clients_on_every_shared_tensor()
     method = build_dp(client_dp=ClientDP(sigma, clip), hn_max_grad_norm=None, clients_per_round=3)
     generated = [method.hnet([0, 1, 2])]  # the mlp clients' head (tau 4) is read by none
     zero = [torch.zeros_like(generated[0])]
-    method.private_server_gradients(generated, zero, torch.Generator().manual_seed(0))
+    method.private_server_gradients(
+        generated, zero, torch.Generator().manual_seed(0), torch.arange(3), 0
+    )
     noise = shared_gradient(method)
     assert len(noise) > 10_000
     assert noise.std().item() == pytest.approx(sigma * clip / 3, rel=0.03)
@@ -135,7 +139,9 @@ def test_noise_std_is_sigma_c_over_the_expected_clients_on_every_shared_tensor()
     assert embeddings.grad is not None and not embeddings.grad.any()  # no noise, no signal
     assert own_head.grad is None  # client 5's head: not read, personal, no noise
     again = build_dp(client_dp=ClientDP(sigma, clip), hn_max_grad_norm=None, clients_per_round=3)
-    again.private_server_gradients([again.hnet([0, 1, 2])], zero, torch.Generator().manual_seed(0))
+    again.private_server_gradients(
+        [again.hnet([0, 1, 2])], zero, torch.Generator().manual_seed(0), torch.arange(3), 0
+    )
     assert torch.equal(noise, shared_gradient(again))
 
 
@@ -171,22 +177,24 @@ def test_resume_is_exact_with_dp(tmp_path: Path) -> None:
     assert straight["privacy"]["epsilon"] == expected and straight["privacy"]["rounds"] == 6
 
 
-def test_per_client_server_steps_and_the_global_model_variants_are_refused() -> None:
+def test_per_client_server_steps_and_the_papers_global_step_are_refused() -> None:
     dm = digits_data(6)
     for update in ("sequential", "per_client"):
         with pytest.raises(ConfigError, match=f"hn_update = '{update}'.*hn_update: mean"):
             build(MHPFedHN, dm, **{**OPTIONS, "hn_update": update}, client_dp=ClientDP())
-    for cls in (MHPFedHNG, MHPFedHNGD):
-        with pytest.raises(ConfigError, match=f"{cls.__name__}.*global model's step"):
+    for cls in (MHPFedHNG, MHPFedHNGD):  # the paper's global step before the personal round
+        with pytest.raises(ConfigError, match=f"{cls.__name__}.*global_step: joint"):
             build(cls, dm, **OPTIONS, client_dp=ClientDP())
+        with pytest.raises(ConfigError, match="global_step = 'joint'.*hn_update: mean"):
+            build(cls, dm, **{**OPTIONS, "hn_update": "sequential"}, global_step="joint")
 
 
 @pytest.mark.parametrize(
     ("config", "extra", "named"),
     [
         ("mh_pfedhn.yaml", ["--model.init_args.hn_update=sequential"], "hn_update"),
-        ("mh_pfedhng.yaml", [], "MHPFedHNG"),
-        ("mh_pfedhngd.yaml", [], "MHPFedHNGD"),
+        ("mh_pfedhng.yaml", ["--model.init_args.hn_update=mean"], "global_step: joint"),
+        ("mh_pfedhngd.yaml", ["--model.init_args.global_step=joint"], "hn_update: mean"),
     ],
 )
 def test_refusals_come_before_any_folder_exists(

@@ -22,7 +22,12 @@ from tests.test_conditions import concrete_methods, conf_of
 
 NO_DP = ClientDP(noise_multiplier=0.0, clip_norm=math.inf)
 # what a method's DP round needs beyond its tests/conf config (its own refusal otherwise)
-DP_SETTINGS: dict[str, dict[str, Any]] = {"MHPFedHN": {"hn_update": "mean"}}
+JOINT: dict[str, Any] = {"hn_update": "mean", "global_step": "joint"}
+DP_SETTINGS: dict[str, dict[str, Any]] = {
+    "MHPFedHN": {"hn_update": "mean"},
+    "MHPFedHNG": JOINT,
+    "MHPFedHNGD": JOINT,
+}
 
 
 def privatized(name: str) -> bool:

@@ -87,6 +87,13 @@ class MHPFedHN(FederatedMethod):
     The order is a permutation drawn from (seed, round) alone, so resumed runs and DDP ranks
     step alike.
 
+    With unreliable clients (``conditions``, docs/conditions.md) the server steps only from
+    the clients that reported back: ``sequential`` and ``per_client`` skip a dropped client's
+    step (the others keep their drawn order), ``mean`` averages the arrived clients' gradients
+    with equal weights, and a round where none arrived sets no gradient. A dropped client took
+    no local step, so its batch-norm statistics and local layers come back from local training
+    as they were.
+
     With ``client_dp`` (``hn_update: mean`` only; docs/privacy.md) the server privatizes the
     update of the hypernetwork's shared part phi_s (the MLP and every head more than one client
     reads): each client's contribution c_i = (d g_i / d phi_s)^T delta_i is clipped to norm S
@@ -159,6 +166,8 @@ class MHPFedHN(FederatedMethod):
         net: the default architecture (and the base class's target; default ``zoo_cnn``).
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod`.
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -373,19 +382,41 @@ class MHPFedHN(FederatedMethod):
             self.hp.hn_max_grad_norm,
         )
 
+    def group_order(self, sent: list[tuple[str, list[int], Tensor, Tensor]]) -> Tensor:
+        """The positions among the round's clients of ``sent``'s rows, group after group."""
+        return torch.tensor([p for _, positions, *_ in sent for p in positions], device=self.device)
+
     def private_server_gradients(
-        self, generated: list[Tensor], deltas: list[Tensor], generator: torch.Generator
-    ) -> None:
+        self,
+        generated: list[Tensor],
+        deltas: list[Tensor],
+        generator: torch.Generator,
+        members: Tensor,
+        round_idx: int,
+        other_squares: Tensor | None = None,
+    ) -> Tensor:
         """DP-FedAvg on the shared part phi_s (``client_dp``: its MLP and every head more
         than one client reads; zero contribution where client i reads none), the personal part
-        (embeddings, single-reader heads) as without DP:
-        :func:`~lightning_pfl.privacy.set_private_delta_gradients`, group j's generated tensor
-        holding the rows of its clients."""
+        (embeddings, single-reader heads) as without DP (equal weights over the clients that
+        reported back): :func:`~lightning_pfl.privacy.set_private_delta_gradients`, group j's
+        generated tensor holding the rows of its clients. A client that did not report back
+        in round ``round_idx`` adds nothing (its delta counts as 0); the sum still divides by
+        qN.
+
+        ``members`` are the client ids of the rows of ``generated`` and ``deltas``, group after
+        group; ``other_squares`` (float64, in that order) the squared norms of what else each
+        client uploads, clipped with the same factor. Returns the clip factors f_i, in that
+        order."""
         dp = self.client_dp
         assert dp is not None, "client_dp is not set"
         sizes = [len(g) for g in generated]
         owners = torch.arange(sum(sizes), device=self.device).split(sizes)  # group j's rows
-        set_private_delta_gradients(
+        personal_weights = None  # 1 / C each
+        if self.unreliable is not None:
+            arrived = self.arrived(members, round_idx).split(sizes)
+            deltas = [torch.where(a[:, None], d, 0.0) for a, d in zip(arrived, deltas, strict=True)]
+            personal_weights = self.client_weights(members, round_idx, uniform=True)
+        return set_private_delta_gradients(
             self.dp_shared,
             self.dp_personal,
             generated,
@@ -396,6 +427,8 @@ class MHPFedHN(FederatedMethod):
             self.hp.clients_per_round,  # qN: the simulation samples exactly that many
             generator,
             self.hp.hn_max_grad_norm,
+            other_squares,
+            personal_weights,
         )
 
     # ----------------------------------------------------------------- the round
@@ -444,26 +477,25 @@ class MHPFedHN(FederatedMethod):
             sent.append((kind, positions.tolist(), flat, delta))
             return loss
 
+        reported = self.arrived(ids, round_idx).tolist()  # who reported back, on the host
         if self.hp.hn_update == "sequential":
             losses = torch.zeros(len(clients), device=clients.device)
+            pending = False  # a gradient is set: the last arrived client's step
             for position in self.update_order(round_idx, len(clients)):
-                if sent:  # the previous client's step, before this client's model is generated
+                if pending:  # that step, before this client's model is generated
                     self.step_server()
                 row = torch.tensor([position], device=clients.device)
                 kind = self.zoo.names[int(self.zoo.group_of[ids[position]])]
                 losses[row] = train(GroupShare(kind, row, clients[row], self.zoo.archs[kind]))
-                self.server_gradients([sent[-1][2]], [sent[-1][3]], losses.new_ones(1))
+                pending = reported[position]  # a dropped client's turn sets no gradient
+                if pending:
+                    self.server_gradients([sent[-1][2]], [sent[-1][3]], losses.new_ones(1))
         else:
             losses = self.zoo.train_groups(clients, train)
-            generated, deltas = [g for *_, g, _ in sent], [d for *_, d in sent]
-            if self.hp.hn_update == "mean" and self.client_dp is not None:
-                generator = self.client_dp_generator(round_idx)
-                self.private_server_gradients(generated, deltas, generator)
-            elif self.hp.hn_update == "mean":  # rows in group order; uniform weights 1/C
-                weights = torch.full((len(clients),), 1.0 / len(clients), device=self.device)
-                self.server_gradients(generated, deltas, weights)
+            if self.hp.hn_update == "mean":
+                self.mean_update(sent, clients, round_idx, any(reported))
             else:
-                self.per_client_steps(sent, round_idx)
+                self.per_client_steps(sent, round_idx, reported)
         kinds = list(dict.fromkeys(kind for kind, *_ in sent))
         down = {k: torch.cat([g.detach() for j, _, g, _ in sent if j == k]) for k in kinds}
         up: Params = {}
@@ -471,6 +503,26 @@ class MHPFedHN(FederatedMethod):
             delta = torch.cat([d for j, *_, d in sent if j == k])
             up |= {f"{k}.{n}": t for n, t in self.uploaded(delta).items()}
         return losses, down, up
+
+    def mean_update(
+        self,
+        sent: list[tuple[str, list[int], Tensor, Tensor]],
+        clients: Tensor,
+        round_idx: int,
+        any_arrived: bool,
+    ) -> None:
+        """``hn_update: mean``: set grad(phi, v) from the round's ``sent`` groups (kind,
+        positions among ``clients``, generated ``[C_j, K_j]`` with its graph, deltas) with equal
+        weights over the clients that reported back (none, ``any_arrived`` False: no
+        gradient), or with ``client_dp`` by :meth:`private_server_gradients`."""
+        generated, deltas = [g for *_, g, _ in sent], [d for *_, d in sent]
+        order = self.group_order(sent)
+        if self.client_dp is not None:
+            generator = self.client_dp_generator(round_idx)
+            self.private_server_gradients(generated, deltas, generator, clients[order], round_idx)
+        elif any_arrived:
+            weights = self.client_weights(clients, round_idx, uniform=True)
+            self.server_gradients(generated, deltas, weights[order])
 
     def update_order(self, round_idx: int, count: int) -> list[int]:
         """The order (positions among the round's ``count`` clients) of the server's per-client
@@ -482,23 +534,26 @@ class MHPFedHN(FederatedMethod):
         return torch.randperm(count, generator=generator).tolist()
 
     def per_client_steps(
-        self, sent: list[tuple[str, list[int], Tensor, Tensor]], round_idx: int
+        self, sent: list[tuple[str, list[int], Tensor, Tensor]], round_idx: int, reported: list
     ) -> None:
-        """``hn_update: per_client``: one step per client in the seeded :meth:`update_order`,
-        each with that client's (d g_i / d(phi, v))^T delta_i, clipped, all at the round's
-        starting phi (the clients trained from it). ``sent``: (kind, positions among the
-        round's clients, generated ``[C_j, K_j]`` with its graph, deltas) per group. The base
-        class takes the last step."""
+        """``hn_update: per_client``: one step per client that reported back (``reported``,
+        per position), in the seeded :meth:`update_order`, each with that client's
+        (d g_i / d(phi, v))^T delta_i, clipped, all at the round's starting phi (the clients
+        trained from it). ``sent``: (kind, positions among the round's clients, generated
+        ``[C_j, K_j]`` with its graph, deltas) per group. The base class takes the last step;
+        none arrived: no gradient is set."""
         params = list(self.hnet.parameters())
         one = torch.ones(1, device=self.device)
         grads: dict[int, list[Tensor | None]] = {}
         for _, positions, generated, delta in sent:
             for r, position in enumerate(positions):
+                if not reported[position]:
+                    continue
                 g, d = generated[r : r + 1], delta[r : r + 1]
                 set_delta_gradients(params, [g], [d], [one], self.hp.hn_max_grad_norm, True)
                 grads[position] = [p.grad for p in params]
         assert self.server_optimizer is not None, "configure_optimizers() sets it"
-        order = self.update_order(round_idx, len(grads))
+        order = [p for p in self.update_order(round_idx, len(reported)) if p in grads]
         steps_in_turn(self.server_optimizer, params, [grads[position] for position in order])
 
     def step_server(self) -> None:

@@ -51,6 +51,8 @@ class MHPFedHNGD(MHPFedHNG):
         **kwargs: see :class:`MHPFedHNG`.
     """
 
+    honours_conditions = True  # MH-pFedHNG's round; a dropped client distils nothing
+
     def __init__(
         self,
         distill_temperature: PositiveFloat = 15.0,
