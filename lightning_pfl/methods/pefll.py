@@ -141,7 +141,7 @@ class PeFLLNetwork(BaseHyperNetwork):
         return [p for p in self.generator.parameters() if p.requires_grad]
 
     def personal_parameters(self) -> list[nn.Parameter]:
-        """None: every client's descriptor reads psi, and every client's model reads phi."""
+        """No parameter is personal: every client's descriptor reads psi, every model phi."""
         return []
 
 
