@@ -75,6 +75,10 @@ class FedSimSup(FederatedMethod):
     a_i = K m_i / (sum_j m_j + K m_i), m the training-sample counts and s_ij the cosine
     similarity of the label counts of clients i and j (see :func:`mix_non_participants`).
 
+    Unreliable clients (``conditions``): the participants j are the sampled clients that
+    reported back; a sampled client that did not keeps its theta_i and s_i as they were (it is
+    neither stored as trained nor mixed), and a round in which none arrived moves nothing.
+
     Supervisor types are assigned to clients once, from the seed, in exact proportions; clients
     of one type train together (one vmap per type) and the accuracy of each type's clients is
     reported under ``<split>/supervisor_<type>/acc`` and ``acc_weighted``.
@@ -98,6 +102,8 @@ class FedSimSup(FederatedMethod):
         **kwargs: see :class:`~lightning_pfl.methods.base.FederatedMethod` (``local_steps`` is
             unused; paper participation: ``clients_per_round`` = 10% of the clients).
     """
+
+    honours_conditions = True
 
     def __init__(
         self,
@@ -189,7 +195,8 @@ class FedSimSup(FederatedMethod):
             kind, rows, members = group.name, group.rows, group.members
             loss_fn = self.joint_losses[kind]
             model = {f"theta.{n}": t[rows] for n, t in theta.items()}
-            sup = {f"sup.{kind}.{n}": t for n, t in self._gather_supervisors(kind, members).items()}
+            kept = self._gather_supervisors(kind, members)
+            sup = {f"sup.{kind}.{n}": t for n, t in kept.items()}
             loss_sum = torch.zeros(len(rows), device=self.device)
             steps = torch.zeros_like(loss_sum)
             for phase, batches in ((sup, supervisor_batches), (model, model_batches)):
@@ -206,19 +213,20 @@ class FedSimSup(FederatedMethod):
                 loss_sum += result.loss * result.steps
                 steps += result.steps
             prefix = len(f"sup.{kind}.")
+            trained_sup = {n[prefix:]: t for n, t in sup.items()}
             self.store.scatter(
                 f"supervisor.{kind}",
                 self.supervisors.row_of[members.cpu()],
-                {n[prefix:]: t for n, t in sup.items()},
+                self.where_arrived(members, round_idx, trained_sup, kept),
             )
             for n in trained:
                 trained[n][rows] = model[f"theta.{n}"]
             return loss_sum / steps.clamp_min(1)
 
         losses = self.supervisors.train_groups(clients, train)
-        self.store.scatter("theta", clients, trained)
+        self.store.scatter("theta", clients, self.where_arrived(clients, round_idx, trained, theta))
         if h.aggregation != "none":
-            self._mix_others(clients, trained)
+            self._mix_others(clients, round_idx, trained)
         self.record_communication(down=theta, up=trained)
         return losses
 
@@ -227,20 +235,24 @@ class FedSimSup(FederatedMethod):
             f"supervisor.{kind}", self.supervisors.row_of[clients.cpu()], self.device
         )
 
-    def _mix_others(self, clients: Tensor, trained: Params) -> None:
+    def _mix_others(self, clients: Tensor, round_idx: int, trained: Params) -> None:
+        """Move every client that was not sampled toward the ``trained`` theta_j of the
+        participants j, the sampled ``clients`` that reported back (none: nobody moves). Server
+        side: reads the arrival mask on the host."""
         h = self.hp
         labels = torch.as_tensor(self.data.partition_counts()["train"])
         others = torch.ones(h.num_clients, dtype=torch.bool)
         others[clients.cpu()] = False
-        if not others.any():
+        arrived = self.arrived(clients, round_idx).cpu()
+        if not others.any() or not arrived.any():
             return
         ids = others.nonzero()[:, 0]
         store_device = self.store.device
         mixed = mix_non_participants(
             self.store.gather("theta", ids, store_device),
-            {n: t.to(store_device) for n, t in trained.items()},
+            {n: t.to(store_device)[arrived.to(store_device)] for n, t in trained.items()},
             labels[ids].to(store_device),
-            labels[clients.cpu()].to(store_device),
+            labels[clients.cpu()[arrived]].to(store_device),
             float(h.self_weight if h.self_weight is not None else len(clients)),
             h.aggregation,
         )

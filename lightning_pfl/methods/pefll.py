@@ -12,9 +12,11 @@ from torch import Tensor, nn
 
 from lightning_pfl.costs import payload_bytes
 from lightning_pfl.engine import Params, derive_seed
+from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.pfedhn import PFedHN
 from lightning_pfl.models import HyperNetwork
 from lightning_pfl.models.hypernetwork import BaseHyperNetwork, apply_heads, set_delta_gradients
+from lightning_pfl.privacy import privatizes, set_private_delta_gradients
 from lightning_pfl.streams import BATCH_STREAM
 from lightning_pfl.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
@@ -138,6 +140,10 @@ class PeFLLNetwork(BaseHyperNetwork):
         """phi, the hypernetwork (without its frozen calibration table)."""
         return [p for p in self.generator.parameters() if p.requires_grad]
 
+    def personal_parameters(self) -> list[nn.Parameter]:
+        """No parameter is personal: every client's descriptor reads psi, every model phi."""
+        return []
+
 
 class PeFLL(PFedHN):
     """PeFLL: an embedding network describes each client; a hypernetwork maps it to a model.
@@ -169,6 +175,23 @@ class PeFLL(PFedHN):
     standardization from them (:meth:`calibrate_descriptors`), the analogue of the reference
     code's rescaling with statistics of the first step's descriptor.
 
+    Unreliable clients (``conditions``): the server step is the mean over the clients that
+    reported back (weights 1/|arrived|, their regularizer terms lambda_theta included; the
+    other clients' descriptors and deltas get weight 0); a round in which none did sets no
+    gradient, so neither network moves. No per-client state is kept.
+
+    Client-level DP (``client_dp``, z and clip norm S; docs/privacy.md): DP-FedAvg on the
+    gradient of everything shared, phi and psi together. Client i's contribution
+    c_i = (d theta_i / d (phi, psi))^T (delta_i + 2 lambda_theta theta_i), which reaches psi
+    through its descriptor v_i = e(B_i; psi), is clipped as one vector to S (all clients in one
+    batched backward); the server's gradient is (sum_i f_i c_i + N(0, z^2 S^2 I)) / qN, then
+    2 lambda_h phi and 2 lambda_v psi (functions of the released parameters alone) are added
+    and the norm is clipped to ``hn_max_grad_norm``: post-processing. A dropped client's c_i is
+    zero. What is released is phi and psi; the descriptor v_i and the delta reach the trusted
+    server per client, as DP-FedAvg's updates do, and the generated theta_i goes back to client
+    i only. The standardization is fixed from every client's data before the first round
+    without noise, so ``client_dp`` needs ``standardize_descriptors: false``.
+
     Args:
         embed_dim: descriptor size (default floor(1 + n / 4), pFedHN's embedding size and the
             default of the PeFLL authors' code).
@@ -186,7 +209,8 @@ class PeFLL(PFedHN):
             (its ``--embed-lr`` reaches only its SGD) and rescales descriptors differently (see
             ``standardize_descriptors``).
         standardize_descriptors: standardize descriptors as above (False: raw mean embeddings,
-            which on digits the hypernetwork ignores, so every client gets the same model).
+            which on digits the hypernetwork ignores, so every client gets the same model; the
+            only setting with ``client_dp``).
         hn_optimizer: the server optimizer of phi and psi. Default ``adam``, the authors' code's
             default (``--optim adam``: PyTorch's Adam, betas 0.9 / 0.999, no weight decay);
             ``sgd``: SGD with momentum ``hn_momentum`` (0.9), pFedHN's optimizer and the code's
@@ -218,6 +242,8 @@ class PeFLL(PFedHN):
             ``hn_momentum``, ``hn_update``, and the inner loop K).
     """
 
+    honours_conditions = True
+
     def __init__(
         self,
         embedding_hidden: PositiveInt = 100,
@@ -245,6 +271,14 @@ class PeFLL(PFedHN):
             clients_per_round=clients_per_round,
             **kwargs,
         )
+        if self.client_dp is not None and standardize_descriptors:
+            raise ConfigError(
+                "model.init_args.standardize_descriptors: under client_dp, PeFLL would fix its "
+                "descriptor standardization (the released network's shift and scale, and psi's "
+                "learning rate) from every training client's mean embedding before the first "
+                "round, a release of every client's data that no clip or noise covers; set "
+                "standardize_descriptors: false, or remove client_dp."
+            )
 
     def build_hypernetwork(self) -> PeFLLNetwork:
         h = self.hp
@@ -288,21 +322,31 @@ class PeFLL(PFedHN):
         """grad(phi, psi) of sum_i w_i (<theta_i, delta_i> + lambda_theta ||theta_i||^2)
         + lambda_h ||phi||^2 + lambda_v ||psi||^2 over ``delta``'s clients
         (``generated[rows]``; w_i default 1/C), then clip to ``hn_max_grad_norm``."""
-        h = self.hp
         outputs = {n: t[rows] if rows is not None else t for n, t in generated.items()}
         first = next(iter(delta.values()))
         if weights is None:
             weights = torch.full((len(first),), 1.0 / len(first), device=first.device)
-        phi = self.network.body_parameters()
-        psi = self.network.embedding_parameters()
         set_delta_gradients(
-            phi + psi,
+            self.network.body_parameters() + self.network.embedding_parameters(),
             list(outputs.values()),
-            [delta[n] + 2 * h.lambda_theta * outputs[n].detach() for n in outputs],
+            self.output_gradients(outputs, delta),
             [weights] * len(outputs),
             None,
             retain_graph=rows is not None,
         )
+        self.regularize_and_clip()
+
+    def output_gradients(self, outputs: Params, delta: Params) -> list[Tensor]:
+        """delta_i + 2 lambda_theta theta_i for each generated tensor ``[C, ...]``: the
+        gradient, in theta_i, of client i's term <theta_i, delta_i> + lambda_theta ||theta_i||^2."""
+        return [delta[n] + 2 * self.hp.lambda_theta * outputs[n].detach() for n in outputs]
+
+    def regularize_and_clip(self) -> None:
+        """Add 2 lambda_h phi and 2 lambda_v psi to the gradients set from the clients, then
+        clip the norm over (phi, psi) to ``hn_max_grad_norm``."""
+        h = self.hp
+        phi = self.network.body_parameters()
+        psi = self.network.embedding_parameters()
         for params, lam in ((phi, h.lambda_h), (psi, h.lambda_v)):
             for p in params:
                 if p.grad is not None:
@@ -312,6 +356,50 @@ class PeFLL(PFedHN):
         if h.hn_max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(phi + psi, h.hn_max_grad_norm)
 
+    def set_private_gradients(
+        self,
+        generated: Params,
+        delta: Params,
+        generator: torch.Generator,
+        arrived: Tensor | None = None,
+    ) -> None:
+        """DP-FedAvg on (phi, psi): grad = (sum_i f_i c_i + N(0, z^2 S^2 I)) / qN with
+        c_i = (d theta_i / d (phi, psi))^T (delta_i + 2 lambda_theta theta_i) and
+        f_i = min(1, S / ||c_i||) (:func:`~lightning_pfl.privacy.set_private_delta_gradients`),
+        c_i = 0 for a client not ``arrived`` (``[C]`` bool; None: all arrived); then
+        :meth:`regularize_and_clip` (post-processing)."""
+        dp = self.client_dp
+        assert dp is not None, "client_dp is not set"
+        outputs = list(generated.values())
+        gradients = self.output_gradients(generated, delta)
+        if arrived is not None:
+            gradients = [
+                torch.where(arrived.view(-1, *[1] * (g.dim() - 1)), g, 0) for g in gradients
+            ]
+        every = torch.arange(len(outputs[0]), device=outputs[0].device)
+        # PeFLL has no personal parameter; set_private_delta_gradients differentiates its
+        # personal part all the same, so it gets an unused leaf (which gets no gradient)
+        unused = torch.zeros((), device=outputs[0].device, requires_grad=True)
+        set_private_delta_gradients(
+            self.network.body_parameters() + self.network.embedding_parameters(),
+            [unused],  # type: ignore[list-item]
+            outputs,
+            gradients,
+            [every] * len(outputs),
+            len(every),
+            dp,
+            self.hp.clients_per_round,  # qN: the simulation samples exactly that many
+            generator,
+            None,
+        )
+        self.regularize_and_clip()
+
+    @privatizes(
+        "each client's contribution to the gradient of everything shared, the hypernetwork phi "
+        "and the embedding network psi (the latter through its descriptor v_i = e(B_i; psi)), "
+        "its regularizer lambda_theta ||theta_i||^2 included, clipped as one vector; the "
+        "descriptor and the delta reach the trusted server per client and are not released"
+    )
     def run_round(self, round_idx: int, clients: Tensor) -> Tensor:
         x, y, weight = self.descriptor_batches(clients, round_idx)
         descriptors = self.network.embedder(x, y, weight)
@@ -319,7 +407,13 @@ class PeFLL(PFedHN):
         start = {n: t.detach() for n, t in generated.items()}
         result = self.local_train({n: t.clone() for n, t in start.items()}, clients, round_idx)
         delta = {n: start[n] - result.params[n] for n in start}
-        self.update_hypernetwork(generated, delta)
+        if self.client_dp is not None:
+            arrived = self.arrived(clients, round_idx) if self.unreliable is not None else None
+            self.set_private_gradients(
+                generated, delta, self.client_dp_generator(round_idx), arrived
+            )
+        else:
+            self.update_from_arrived(generated, delta, clients, round_idx)
         psi = {
             n: p.detach().expand(len(clients), *p.shape)
             for n, p in self.network.embedder.named_parameters()
