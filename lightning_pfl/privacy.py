@@ -86,12 +86,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "with learned per-client weights: client j's model reaches client i in person, not "
         "through a noisy sum",
     ),
-    "PeFLL": (
-        "its delta, its descriptor v computed from its data, and the embedding network's "
-        "gradient from its data",
-        "the descriptor and the embedding network's gradient are two more uploads, each "
-        "needing its own clip and noise (not implemented)",
-    ),
     "APPLE": (
         "its core model",
         "every client downloads all N core models as they are and mixes them with its own "
@@ -216,12 +210,21 @@ class ClientDP:
             raise ConfigError(
                 f"{KEY}: {name} does not support client-level DP. Each client uploads "
                 f"{uploads}; {why} (docs/privacy.md). Remove client_dp, or use a method whose "
-                "round privatizes its uploads: FedAvg and the FedAvg subclasses that keep its "
-                "round (FedPer, FedProx, Ditto, ...), FedDyn, FedCP, FedAKT, SCAFFOLD, PFedHN, "
-                "PFedHNPC, PFedLHN, PFedHNBudgets, MHPFedHN, MHPFedHNG, MHPFedHNGD, FedTP, "
-                "FedTPPer, FedTPRoD or FedTPKNN."
+                f"round privatizes its uploads: {', '.join(privatizing_methods())}."
             )
         return str(what)
+
+
+def privatizing_methods() -> list[str]:
+    """Names of the methods whose round applies :class:`ClientDP` (:func:`privatizes`)."""
+    import lightning_pfl.methods as methods
+
+    return sorted(
+        name
+        for name in methods.__all__
+        if isinstance(cls := getattr(methods, name), type)
+        and getattr(getattr(cls, "run_round", None), "privatizes", None) is not None
+    )
 
 
 def privatizes(what: str) -> Callable[[F], F]:
@@ -336,12 +339,15 @@ def set_private_delta_gradients(
         for i, p in enumerate(shared):
             scaled = noise[str(i)] / expected
             p.grad = scaled if p.grad is None else p.grad + scaled
-    if personal_weights is None:
-        personal_weights = torch.full((count,), 1.0 / count, device=generated[0].device)
-    set_delta_gradients(personal, generated, deltas, [personal_weights[o] for o in owners], None)
+    if personal:  # PeFLL has no personal parameter
+        if personal_weights is None:
+            personal_weights = torch.full((count,), 1.0 / count, device=generated[0].device)
+        shares = [personal_weights[o] for o in owners]
+        set_delta_gradients(personal, generated, deltas, shares, None)
     if max_norm is not None:
         torch.nn.utils.clip_grad_norm_(shared, max_norm)
-        torch.nn.utils.clip_grad_norm_(personal, max_norm)
+        if personal:
+            torch.nn.utils.clip_grad_norm_(personal, max_norm)
     return factors
 
 

@@ -27,6 +27,7 @@ DP_SETTINGS: dict[str, dict[str, Any]] = {
     "MHPFedHN": {"hn_update": "mean"},
     "MHPFedHNG": JOINT,
     "MHPFedHNGD": JOINT,
+    "PeFLL": {"standardize_descriptors": False},  # fixed from every client's data, unnoised
 }
 
 

@@ -377,12 +377,9 @@ class PeFLL(PFedHN):
                 torch.where(arrived.view(-1, *[1] * (g.dim() - 1)), g, 0) for g in gradients
             ]
         every = torch.arange(len(outputs[0]), device=outputs[0].device)
-        # PeFLL has no personal parameter; set_private_delta_gradients differentiates its
-        # personal part all the same, so it gets an unused leaf (which gets no gradient)
-        unused = torch.zeros((), device=outputs[0].device, requires_grad=True)
         set_private_delta_gradients(
             self.network.body_parameters() + self.network.embedding_parameters(),
-            [unused],  # type: ignore[list-item]
+            [],
             outputs,
             gradients,
             [every] * len(outputs),
