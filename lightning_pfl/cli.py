@@ -246,7 +246,10 @@ class PFLCLI(LightningCLI):
         super()._run_subcommand("fit")
 
     def _dumped(self, config: Namespace) -> dict[str, Any]:
-        dumped = self._parser(self.subcommand).dump(config, format="json", skip_none=False)
+        # parsing validated it: checking it again took 3/4 of the dump's time
+        dumped = self._parser(self.subcommand).dump(
+            config, format="json", skip_none=False, skip_validation=True
+        )
         parsed: dict[str, Any] = json.loads(dumped)
         return parsed
 

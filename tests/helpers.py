@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning import Callback, Trainer
 
 from lightning_pfl.cli import PFLCLI, run
 from lightning_pfl.engine import TrainResult
@@ -17,10 +19,15 @@ CONF = Path(__file__).parent / "conf"
 
 
 def cli_run(
-    config: Path, save_dir: Path, *extra: str, subcommand: str = "fit", figures: bool = False
+    config: Path,
+    save_dir: Path,
+    *extra: str,
+    subcommand: str = "fit",
+    figures: bool = False,
+    callbacks: list[Callback] | None = None,
 ) -> PFLCLI:
-    """Run the CLI in-process; without the figures (``log_figures``, about half of a short
-    run's time) unless ``figures``."""
+    """Run the CLI in-process (with the trainer's ``callbacks`` added); without the figures
+    (``log_figures``, about half of a short run's time) unless ``figures``."""
     args = [
         subcommand,
         f"--config={config}",
@@ -29,14 +36,21 @@ def cli_run(
         f"--model.init_args.log_figures={str(figures).lower()}",
         *extra,
     ]
-    return run(args)
+    return run(args, callbacks=callbacks)
 
 
 def cli(
-    config: Path, save_dir: Path, *extra: str, subcommand: str = "fit", figures: bool = False
+    config: Path,
+    save_dir: Path,
+    *extra: str,
+    subcommand: str = "fit",
+    figures: bool = False,
+    callbacks: list[Callback] | None = None,
 ) -> dict[str, Any]:
     """:func:`cli_run`, returning the run's ``results.json``."""
-    instance = cli_run(config, save_dir, *extra, subcommand=subcommand, figures=figures)
+    instance = cli_run(
+        config, save_dir, *extra, subcommand=subcommand, figures=figures, callbacks=callbacks
+    )
     with open(Path(instance.trainer.log_dir) / "results.json") as f:
         return json.load(f)  # type: ignore[no-any-return]
 
@@ -119,20 +133,50 @@ def assert_vectorized_equals_sequential(
                 )
 
 
-def assert_resume_is_exact(config: Path, tmp_path: Path, *extra: str) -> None:
-    """6 rounds in one go == 3 rounds, then ``--ckpt_path last`` to 6 (results and state)."""
+class KeepCheckpoint(Callback):
+    """Copy the run's ``last.ckpt`` to ``to`` as round ``after`` saved it (when the next round
+    starts)."""
+
+    def __init__(self, after: int, to: Path) -> None:
+        self.after, self.to = after, to
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.after:
+            checkpoint = trainer.checkpoint_callback
+            assert checkpoint is not None and checkpoint.last_model_path
+            shutil.copyfile(checkpoint.last_model_path, self.to)
+
+
+def assert_resume_is_exact(
+    config: Path, tmp_path: Path, *extra: str, stopped: bool = False
+) -> None:
+    """6 rounds in one go == its round-3 checkpoint resumed to round 6 in a new run folder
+    (results and state); ``stopped``: == a run stopped by ``max_steps`` at round 3 that goes
+    on with ``--ckpt_path last`` (the end-of-fit path; one run more)."""
     common = ["--trainer.val_check_interval=3", "--test_after_fit=false", *extra]
-    straight = cli(config, tmp_path / "straight", "--trainer.max_steps=6", *common)
-    cli(config, tmp_path / "resumed", "--trainer.max_steps=3", *common)
-    resumed = cli(
-        config, tmp_path / "resumed", "--trainer.max_steps=6", "--ckpt_path=last", *common
-    )
+    resumed_dir = tmp_path / "resumed"
+    if stopped:
+        straight = cli(config, tmp_path / "straight", "--trainer.max_steps=6", *common)
+        cli(config, resumed_dir, "--trainer.max_steps=3", *common)
+        start = "last"
+    else:
+        kept = tmp_path / "round3.ckpt"
+        straight = cli(
+            config,
+            tmp_path / "straight",
+            "--trainer.max_steps=6",
+            "--checkpoint.every_n_rounds=3",
+            *common,
+            callbacks=[KeepCheckpoint(3, kept)],
+        )
+        start = str(kept)
+    resumed = cli(config, resumed_dir, "--trainer.max_steps=6", f"--ckpt_path={start}", *common)
     keys = ("rounds", "val_last", "best_round", "val_at_best", "test_at_best_val", "eval_history")
     for key in (*keys, "test_max_over_evals", "test_last_evals"):
         assert resumed[key] == straight[key], key
     assert resumed["comm_bytes_up_total"] == straight["comm_bytes_up_total"]
     a = torch.load(run_dir(tmp_path / "straight", config) / "checkpoints" / "last.ckpt")
-    b = torch.load(run_dir(tmp_path / "resumed", config) / "checkpoints" / "last.ckpt")
+    b = torch.load(run_dir(resumed_dir, config) / "checkpoints" / "last.ckpt")
     for name, tensor in a["state_dict"].items():
         assert torch.equal(tensor, b["state_dict"][name]), name
     for field, tensors in a["pfl"]["client_state"].items():

@@ -73,7 +73,9 @@ def test_figures_reach_tensorboard_unless_switched_off(figures: bool, tmp_path: 
 
 @pytest.mark.parametrize("method", ["fedavg", "pfedhn_pc", "fedsimsup"])
 def test_resume_reaches_the_state_of_an_uninterrupted_run(method: str, tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / f"{method}.yaml", tmp_path)
+    """Stopped by ``max_steps`` and continued (every method's resume test resumes from a
+    checkpoint of a run that went on)."""
+    assert_resume_is_exact(CONF / f"{method}.yaml", tmp_path, stopped=True)
 
 
 def test_resume_without_a_checkpoint_says_so(tmp_path: Path) -> None:

@@ -69,15 +69,13 @@ UNRELIABLE = '--model.init_args.conditions={"drop_rate": 0.4, "stragglers": {"ra
 
 @pytest.mark.parametrize(
     ("method", "extra"),
-    # FedAvg and pFedHN on the plain split are not rows of their own: the unreliable FedAvg row
-    # goes through the same rank split with masks on top, the odd unequal pFedHN row through
-    # the same one with a padding slot and unequal clients
+    # pFedHN on an odd number of unequal clients with drops and stragglers goes through the
+    # plain rank split with a padding slot, unequal clients and masks on top
     [
         ("fedsimsup", ["--model.init_args.clients_per_round=3"]),
-        ("pfedhn", UNEQUAL),
-        ("fedavg", ["--model.init_args.clients_per_round=3", UNRELIABLE]),
+        ("pfedhn", [*UNEQUAL, UNRELIABLE]),
     ],
-    ids=["fedsimsup", "pfedhn-odd-unequal", "fedavg-unreliable"],
+    ids=["fedsimsup", "pfedhn-odd-unequal-unreliable"],
 )
 def test_two_process_ddp_equals_single_process(
     method: str, extra: list[str], tmp_path: Path

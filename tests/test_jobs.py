@@ -297,12 +297,13 @@ def _checkpoint(method: FederatedMethod) -> dict[str, Any]:
 ONE_BY_ONE = {"vectorize": False, "client_threads": 1}
 # the batched paths: both runs' clients in one vmap, or spread over the threaded loop
 BATCHED = {"vmap": {"vectorize": True}, "threads": {"vectorize": False, "client_threads": 2}}
-# The threaded loop reaches a method only through the executor's training and evaluation
-# calls, so these cases cover it (the others run one by one and on vmap): one round of each
-# kind of phase the executor serves (FedAvg's; several phases; hypernetwork-generated models;
+# Every case runs on vmap, where the job batches both runs' clients together; the paths that
+# run clients one at a time (one by one, the threaded loop) reach a method only through the
+# executor's training and evaluation calls, so these cases cover them bit for bit: each kind
+# of phase the executor serves (FedAvg's; several phases; hypernetwork-generated models;
 # models the server keeps; fine-tuning at evaluation; feature statistics; a generator; a
-# memory at evaluation) and FedCP's refusal.
-THREADED = {
+# memory at evaluation) and FedCP's refusal of threads.
+EXACT_PATHS = {
     "fedavg", "ditto", "fedrep", "fedpac", "pfedhn", "pfedhn_pc", "pfedkt", "mh_pfedhn",
     "fedtp", "fedsimsup", "fedamp", "fedbabu", "ccvr", "fedproto", "fedgen", "knn_per", "fedcp",
 }  # fmt: skip
@@ -332,14 +333,14 @@ def _assert_same_checkpoints(
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_a_job_trains_every_method_as_its_runs_alone(case: Case) -> None:
-    """Two seeds (split and training) of every method, one by one and on vmap (and the
-    ``THREADED`` cases on the threaded loop), as a job and alone: the runs end where they end
+    """Two seeds (split and training) of every method on vmap (and the ``EXACT_PATHS`` cases
+    one by one and on the threaded loop), as a job and alone: the runs end where they end
     alone (everything a checkpoint holds: model, server optimizer, per-client state, record),
     bit for bit one by one and on the threaded loop, up to float rounding on vmap (both runs'
     clients in one batch). Where the method's jobs can share a computation, they did."""
     datas = [digits_data(case.num_clients, seed=seed, **case.data) for seed in (0, 1)]
     paths = [("one by one", ONE_BY_ONE), *BATCHED.items()]
-    for name, path in [(n, p) for n, p in paths if n != "threads" or case.id in THREADED]:
+    for name, path in [(n, p) for n, p in paths if n == "vmap" or case.id in EXACT_PATHS]:
         try:
             alone = _runs(case, path, datas)
         except ConfigError as refused:  # e.g. FedCP's Gumbel noise on the threaded loop
@@ -500,15 +501,15 @@ def uninterrupted_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     return _job_results(save_dir)
 
 
-@pytest.mark.parametrize(
-    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"]
-)
+# SIGINT takes the same handler as SIGTERM (RoundCheckpoint's STOP_SIGNALS); tests/test_runs.py
+# sends it to a single run
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_an_interrupted_job_resumes_to_the_results_of_an_uninterrupted_one(
     tmp_path: Path, uninterrupted_job: dict[str, Any], signum: signal.Signals
 ) -> None:
-    """SIGTERM and SIGINT stop the job at a round boundary with every run's last.ckpt saved;
-    SIGKILL (a crash) leaves the periodic checkpoints of round 9. Either way ``--ckpt_path
-    last`` ends the job where the uninterrupted one ends."""
+    """SIGTERM stops the job at a round boundary with every run's last.ckpt saved; SIGKILL (a
+    crash) leaves the periodic checkpoints of round 9. Either way ``--ckpt_path last`` ends
+    the job where the uninterrupted one ends."""
     command = [sys.executable, str(ROOT / "cli.py"), *JOB]
     command.append(f"--trainer.logger.init_args.save_dir={tmp_path}")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -54,14 +54,6 @@ def results(save_dir: Path) -> dict[str, Any]:
     return {k: v for k, v in found.items() if k not in TIMING_KEYS}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    save_dir = tmp_path_factory.mktemp("straight")
-    code, err = finish(start(save_dir))
-    assert code == 0, err[-2000:]
-    return results(save_dir)
-
-
 def wait_for_round(process: subprocess.Popen[str], round_idx: int) -> None:
     """Read the validation lines (one per validation) until ``round_idx`` was validated."""
     assert process.stderr is not None
@@ -72,26 +64,30 @@ def wait_for_round(process: subprocess.Popen[str], round_idx: int) -> None:
     raise AssertionError("the run ended before the round was reached")
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_interrupted_run_resumes_to_the_results_of_an_uninterrupted_one(
-    stop: signal.Signals, tmp_path: Path, uninterrupted: dict[str, Any]
+def test_a_run_stopped_by_ctrl_c_resumes_to_the_results_of_an_uninterrupted_one(
+    tmp_path: Path,
 ) -> None:
-    process = start(tmp_path)
+    """SIGINT finishes the round, saves at the boundary and says how to resume; the resumed run
+    ends where an uninterrupted one ends. SIGTERM takes the same handler (RoundCheckpoint's
+    STOP_SIGNALS): tests/test_jobs.py sends it to a job, tests/test_benchmarks.py to runs in
+    their own sessions. A crash (SIGKILL) resumes from a periodic checkpoint: tests/test_jobs.py
+    kills a job, and every method's resume test (tests/helpers.py assert_resume_is_exact)
+    resumes from one."""
+    straight = start(tmp_path / "straight")
+    process = start(tmp_path / "stopped")
     wait_for_round(process, 10)  # after the checkpoints of rounds 3, 6 and 9
-    process.send_signal(stop)
+    process.send_signal(signal.SIGINT)
     code, err = finish(process)
-    last = run_dir(tmp_path, FEDAVG) / "checkpoints" / "last.ckpt"
-    if stop == signal.SIGKILL:
-        assert code == -signal.SIGKILL
-    else:  # finished the round, saved at the boundary, said how to resume
-        assert code == 128 + stop, err[-2000:]
-        assert "--ckpt_path last" in err and "Traceback" not in err
-        stopped = torch.load(last)["pfl"]["round"]
-        assert 10 <= stopped < 20
+    assert code == 128 + signal.SIGINT, err[-2000:]
+    assert "--ckpt_path last" in err and "Traceback" not in err
+    last = run_dir(tmp_path / "stopped", FEDAVG) / "checkpoints" / "last.ckpt"
+    assert 10 <= torch.load(last)["pfl"]["round"] < 20
     assert last.exists() and not last.with_name("last.ckpt.tmp").exists()
-    code, err = finish(start(tmp_path, "--ckpt_path=last"))
+    code, err = finish(start(tmp_path / "stopped", "--ckpt_path=last"))
     assert code == 0, err[-2000:]
-    assert results(tmp_path) == uninterrupted
+    code, err = finish(straight)
+    assert code == 0, err[-2000:]
+    assert results(tmp_path / "stopped") == results(tmp_path / "straight")
 
 
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(
