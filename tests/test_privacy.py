@@ -38,7 +38,7 @@ from tests.helpers import (
     run_dir,
 )
 from tests.test_bad_inputs import run_cli
-from tests.test_conditions import round_with_drops
+from tests.test_conditions import one_round, round_with_drops
 
 NO_DP = ClientDP(noise_multiplier=0.0, clip_norm=math.inf)
 
@@ -299,6 +299,26 @@ def test_hypernetwork_without_noise_and_clip_is_the_run_without_dp_bit_for_bit(
     assert_same_trained_state(plain, private, store=False)
     noisy = trained(client_dp=ClientDP(1e-3, 10.0))  # the check sees a changed run
     assert not torch.equal(noisy.state_dict()["hnet.mlp.0.weight"], plain.hnet.mlp[0].weight)
+
+
+def test_pfedhn_embeddings_take_the_arrived_clients_weights_under_dp_as_without() -> None:
+    """With drops, an arrived client's embedding v_i (personal, not clipped) gets the gradient
+    it gets without DP, 1/|arrived| of its J_i^T delta_i, not 1/C; the shared part, where DP's
+    denominator is the fixed qN, differs."""
+
+    def round_gradients(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        method = build(
+            PFedHN, digits_data(6), clients_per_round=4, conditions={"drop_rate": 0.5}, **kwargs
+        )
+        r = round_with_drops(method)
+        one_round(method, r)
+        return method.hnet.embeddings.weight.grad, method.hnet.mlp[0].weight.grad
+
+    embeddings, shared = round_gradients()
+    private_embeddings, private_shared = round_gradients(client_dp=NO_DP)
+    assert embeddings.abs().sum() > 0
+    torch.testing.assert_close(private_embeddings, embeddings, rtol=1e-6, atol=0)
+    assert not torch.allclose(private_shared, shared)
 
 
 @pytest.mark.parametrize("cls", [FedAvg, FedPer])

@@ -167,7 +167,10 @@ class PFedHN(FederatedMethod):
         result = self.local_train({n: t.clone() for n, t in start.items()}, clients, round_idx)
         delta = {n: start[n] - result.params[n] for n in start}
         if self.client_dp is not None:
-            self.set_private_gradients(generated, delta, self.client_dp_generator(round_idx))
+            generator = self.client_dp_generator(round_idx)
+            self.set_private_gradients(
+                generated, delta, generator, self.embedding_weights(clients, round_idx)
+            )
         else:
             self.update_from_arrived(generated, delta, clients, round_idx)
         self.record_communication(down=start, up=delta)
@@ -237,13 +240,26 @@ class PFedHN(FederatedMethod):
             retain_graph=rows is not None,
         )
 
+    def embedding_weights(self, clients: Tensor, round_idx: int) -> Tensor | None:
+        """The weights of the personal parameters' gradients under DP: as without DP, equal
+        over the clients that reported back (None: 1/C, every client reported back). A
+        dropped client took no step, so its delta, and its share of the clipped sum, is 0."""
+        if self.unreliable is None:
+            return None
+        return self.client_weights(clients, round_idx, uniform=True)
+
     def set_private_gradients(
-        self, generated: Params, delta: Params, generator: torch.Generator
+        self,
+        generated: Params,
+        delta: Params,
+        generator: torch.Generator,
+        personal_weights: Tensor | None = None,
     ) -> None:
         """DP-FedAvg on the shared hypernetwork phi, every parameter but the personal ones
         (``personal_parameters``: the embeddings v_i, or a mixed embedding's coefficients c_i,
         whose basis every client reads): :func:`~lightning_pfl.privacy.set_private_delta_gradients`,
-        every generated tensor holding one row per client."""
+        every generated tensor holding one row per client; the personal parameters' gradients
+        weigh client i by ``personal_weights[i]`` (default 1/C)."""
         dp = self.client_dp
         assert dp is not None, "client_dp is not set"
         embeddings = [p for p in self.hnet.personal_parameters() if p.requires_grad]
@@ -263,6 +279,7 @@ class PFedHN(FederatedMethod):
             self.hp.clients_per_round,  # qN: the simulation samples exactly that many
             generator,
             self.hp.hn_max_grad_norm,
+            personal_weights=personal_weights,
         )
 
     def novel_adaptation(self, clients: Tensor) -> NovelAdaptation:

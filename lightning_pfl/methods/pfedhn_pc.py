@@ -80,7 +80,10 @@ class PFedHNPC(PFedHN):
         self.store.scatter("head_momentum", clients, {n: result.momentum[n] for n in head})
         delta = {n: body[n] - result.params[n] for n in body}
         if self.client_dp is not None:
-            self.set_private_gradients(generated, delta, self.client_dp_generator(round_idx))
+            generator = self.client_dp_generator(round_idx)
+            self.set_private_gradients(
+                generated, delta, generator, self.embedding_weights(clients, round_idx)
+            )
         else:
             self.update_from_arrived(generated, delta, clients, round_idx)
         self.record_communication(down=body, up=delta)
