@@ -78,6 +78,29 @@ def store_copy(method: FederatedMethod) -> dict[str, dict[str, torch.Tensor]]:
     return {f: {n: t.clone() for n, t in v.items()} for f, v in method.store.fields.items()}
 
 
+def server_state(method: FederatedMethod, store: bool = False) -> dict[str, torch.Tensor]:
+    """Every module tensor, every gradient the round set and (``store``: for a server that
+    keeps every client's model in the client store) the store."""
+    grads = {f"{n}.grad": p.grad for n, p in method.named_parameters() if p.grad is not None}
+    stored = {f"store.{f}.{n}": t for f, v in store_copy(method).items() for n, t in v.items()}
+    return (
+        {n: t.clone() for n, t in method.state_dict().items()} | grads | (stored if store else {})
+    )
+
+
+def assert_store_unchanged(
+    method: FederatedMethod, stored: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    for field, tensors in method.store.fields.items():
+        for key, tensor in tensors.items():
+            assert torch.equal(tensor, stored[field][key]), (field, key)
+
+
+def assert_every_row_honours_the_conditions(classes: Any) -> None:
+    for cls in classes:
+        assert vars(cls).get("honours_conditions") is True, cls.__name__
+
+
 def garbled_dropped_uploads(method: FederatedMethod, round_idx: int) -> None:
     """Make every local-training result of the clients that did not arrive nonsense (their
     trained tensors + 1): a server that reads only what arrived cannot tell."""

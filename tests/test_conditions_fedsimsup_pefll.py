@@ -22,9 +22,12 @@ from tests.helpers import CONF, assert_resume_is_exact
 from tests.test_conditions import (
     DROP,
     arrivals,
+    assert_every_row_honours_the_conditions,
+    assert_store_unchanged,
     garbled_dropped_uploads,
     one_round,
     round_with_drops,
+    server_state,
     state,
     store_copy,
     trained,
@@ -59,17 +62,8 @@ def pretrained(name: str, clients_per_round: int) -> FederatedMethod:
     return method
 
 
-def server_state(method: FederatedMethod) -> dict[str, torch.Tensor]:
-    """Every module tensor, every gradient the round set and the client store (FedSimSup's
-    server keeps every theta_i)."""
-    grads = {f"{n}.grad": p.grad for n, p in method.named_parameters() if p.grad is not None}
-    stored = {f"store.{f}.{n}": t for f, v in store_copy(method).items() for n, t in v.items()}
-    return {n: t.clone() for n, t in method.state_dict().items()} | grads | stored
-
-
 def test_every_row_honours_the_conditions() -> None:
-    for cls, _ in ROWS.values():
-        assert vars(cls).get("honours_conditions") is True, cls.__name__
+    assert_every_row_honours_the_conditions(cls for cls, _ in ROWS.values())
 
 
 @pytest.mark.parametrize("name", ROWS)
@@ -113,11 +107,11 @@ def test_the_server_reads_only_the_uploads_that_arrived(name: str) -> None:
     store) ends it the same, and not as it began."""
     honest, garbled = (copy.deepcopy(pretrained(name, 4)) for _ in range(2))
     r = next(r for r in range(TRAINED, 50) if 0 < int(arrivals(honest, r).sum()) < 4)
-    initial = server_state(honest)
+    initial = server_state(honest, store=True)
     garbled_dropped_uploads(garbled, r)
     for method in (honest, garbled):
         one_round(method, r)
-    expected, got = server_state(honest), server_state(garbled)
+    expected, got = server_state(honest, store=True), server_state(garbled, store=True)
     assert expected.keys() == got.keys()
     for key, tensor in expected.items():
         torch.testing.assert_close(got[key], tensor, rtol=0, atol=0, msg=key)
@@ -136,17 +130,15 @@ def test_a_round_where_nothing_arrives_moves_nothing(name: str) -> None:
     assert optimizer is not None
     kept = copy.deepcopy(optimizer.state_dict())
     assert name != "PeFLL" or kept["state"], "PeFLL's Adam has state to keep"
-    before, stored = server_state(method), store_copy(method)
+    before, stored = server_state(method, store=True), store_copy(method)
     method.run_round(r, method.sample_clients(r))
     optimizer.step()
     assert all(p.grad is None for p in method.parameters())
-    after = server_state(method)
+    after = server_state(method, store=True)
     assert after.keys() == before.keys()
     for key, tensor in after.items():
         assert torch.equal(tensor, before[key]), key
-    for field, tensors in method.store.fields.items():
-        for key, tensor in tensors.items():
-            assert torch.equal(tensor, stored[field][key]), (field, key)
+    assert_store_unchanged(method, stored)
     assert str(optimizer.state_dict()) == str(kept)
 
 

@@ -24,9 +24,11 @@ from tests.conftest import build, digits_data, fit
 from tests.test_conditions import (
     DROP,
     arrivals,
+    assert_store_unchanged,
     garbled_dropped_uploads,
     one_round,
     round_with_drops,
+    server_state,
     state,
     store_copy,
 )
@@ -112,12 +114,6 @@ def test_a_dropped_clients_state_is_untouched(name: str) -> None:
     assert {came for _, came in checked} == {True, False}, checked
 
 
-def server_state(method: MHPFedHN) -> dict[str, torch.Tensor]:
-    """The hypernetwork after the round's steps, and the gradients left for the last one."""
-    grads = {f"{n}.grad": p.grad for n, p in method.named_parameters() if p.grad is not None}
-    return grads | {n: t.clone() for n, t in method.state_dict().items()}
-
-
 @pytest.mark.parametrize("name", ROWS)
 def test_the_server_reads_only_the_uploads_that_arrived(name: str) -> None:
     """The same round, once with the dropped clients' results garbled (every hn_update, and
@@ -165,9 +161,7 @@ def test_a_round_where_nothing_arrives_leaves_the_server_alone(name: str) -> Non
     assert method.server_optimizer is not None and not method.server_optimizer.state
     for key, tensor in method.state_dict().items():
         assert torch.equal(tensor, before[key]), key
-    for field, tensors in method.store.fields.items():
-        for key, tensor in tensors.items():
-            assert torch.equal(tensor, stored[field][key]), (field, key)
+    assert_store_unchanged(method, stored)
 
 
 @pytest.mark.parametrize("name", ROWS)

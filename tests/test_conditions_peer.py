@@ -32,7 +32,15 @@ from lightning_pfl.methods.qffl import QFFL
 from lightning_pfl.params import client_mean
 from tests.conftest import build, digits_data, fit
 from tests.helpers import CONF, assert_resume_is_exact
-from tests.test_conditions import DROP, STRAGGLE, one_round, round_with_drops, state, trained
+from tests.test_conditions import (
+    DROP,
+    STRAGGLE,
+    assert_every_row_honours_the_conditions,
+    one_round,
+    round_with_drops,
+    state,
+    trained,
+)
 
 # one row per method: (class, arguments beyond tests.conftest.build's)
 ROWS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
@@ -65,8 +73,7 @@ EXTRA_UPLOADS: dict[type[FederatedMethod], tuple[str, ...]] = {FedAS: ("fisher_t
 
 def test_every_row_honours_the_conditions() -> None:
     """Each class of the table declares it in its own body (the refusal reads that)."""
-    for cls, _ in ROWS:
-        assert vars(cls).get("honours_conditions") is True, cls.__name__
+    assert_every_row_honours_the_conditions(cls for cls, _ in ROWS)
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), ROWS, ids=IDS)

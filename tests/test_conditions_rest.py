@@ -33,9 +33,12 @@ from tests.test_conditions import (
     DROP,
     STRAGGLE,
     arrivals,
+    assert_every_row_honours_the_conditions,
+    assert_store_unchanged,
     garbled_dropped_uploads,
     one_round,
     round_with_drops,
+    server_state,
     state,
     store_copy,
     trained,
@@ -70,6 +73,12 @@ SERVED = [n for n in ROWS if n != "HeterogeneousLocal"]
 SET_ONCE = {"Floco": {"subregion"}}
 # the methods whose server holds every client's latest model (in the client store)
 SERVER_KEEPS_MODELS = (FedAMP, APPLE, FedFomo, FedU, PFedLA)
+
+
+def keeps_models(method: FederatedMethod) -> bool:
+    return isinstance(method, SERVER_KEEPS_MODELS)
+
+
 TRAINED = 2  # rounds before the one under test
 FEW_DROPS = {"drop_rate": 0.3}  # Floco's round 0: 3 of the 6 clients' signatures arrive
 
@@ -88,18 +97,8 @@ def store_clients(method: FederatedMethod, field: str) -> list[int]:
     return list(range(len(next(iter(method.store.fields[field].values())))))
 
 
-def server_state(method: FederatedMethod) -> dict[str, torch.Tensor]:
-    """Every server tensor, every gradient the round set and, for the methods whose server
-    keeps (FedU: sends back) every client's model in the client store, the store."""
-    grads = {f"{n}.grad": p.grad for n, p in method.named_parameters() if p.grad is not None}
-    stored = {f"store.{f}.{n}": t for f, v in store_copy(method).items() for n, t in v.items()}
-    kept = stored if isinstance(method, SERVER_KEEPS_MODELS) else {}
-    return {n: t.clone() for n, t in method.state_dict().items()} | grads | kept
-
-
 def test_every_row_honours_the_conditions() -> None:
-    for cls, _ in ROWS.values():
-        assert vars(cls).get("honours_conditions") is True, cls.__name__
+    assert_every_row_honours_the_conditions(cls for cls, _ in ROWS.values())
 
 
 @pytest.mark.parametrize("name", ROWS)
@@ -177,11 +176,14 @@ def test_the_server_reads_only_the_uploads_that_arrived(name: str) -> None:
     same (and not as it began)."""
     honest, garbled = (built(name, 4, conditions=Conditions(**DROP)) for _ in range(2))
     r = round_with_drops(honest)
-    initial = server_state(honest)
+    initial = server_state(honest, keeps_models(honest))
     garbled_dropped_uploads(garbled, r)
     for method in (honest, garbled):
         one_round(method, r)
-    expected, got = server_state(honest), server_state(garbled)
+    expected, got = (
+        server_state(honest, keeps_models(honest)),
+        server_state(garbled, keeps_models(garbled)),
+    )
     assert expected.keys() == got.keys()
     for key, tensor in expected.items():
         torch.testing.assert_close(got[key], tensor, rtol=0, atol=0, msg=key)
@@ -205,16 +207,14 @@ def test_a_round_where_nothing_arrives_leaves_the_server_alone(name: str) -> Non
     fit(method, method.data, rounds=TRAINED)
     r = next(r for r in range(TRAINED, 80) if not arrivals(method, r).any())
     method.zero_grad()  # the last fitted round's gradients
-    before, stored = server_state(method), store_copy(method)
+    before, stored = server_state(method, keeps_models(method)), store_copy(method)
     one_round(method, r)
     assert all(p.grad is None for p in method.parameters())
-    after = server_state(method)
+    after = server_state(method, keeps_models(method))
     assert after.keys() == before.keys()
     for key, tensor in after.items():
         assert torch.equal(tensor, before[key]), key
-    for field, tensors in method.store.fields.items():
-        for key, tensor in tensors.items():
-            assert torch.equal(tensor, stored[field][key]), (field, key)
+    assert_store_unchanged(method, stored)
 
 
 def test_flocos_projection_places_only_the_clients_whose_signature_arrived() -> None:

@@ -30,6 +30,7 @@ from tests.helpers import CONF, assert_resume_is_exact
 from tests.test_conditions import (
     DROP,
     arrivals,
+    assert_store_unchanged,
     garbled_dropped_uploads,
     one_round,
     round_with_drops,
@@ -175,9 +176,7 @@ def test_a_round_where_nothing_arrives_leaves_the_server_alone(name: str) -> Non
     assert all(p.grad is None for p in method.parameters())
     for key, tensor in method.state_dict().items():
         assert torch.equal(tensor, before[key]), key
-    for field, tensors in method.store.fields.items():
-        for key, tensor in tensors.items():
-            assert torch.equal(tensor, stored[field][key]), (field, key)
+    assert_store_unchanged(method, stored)
 
 
 @pytest.mark.parametrize("name", ROWS)

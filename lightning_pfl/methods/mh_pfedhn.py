@@ -64,6 +64,11 @@ Fraction = Annotated[float, Range(gt=0, le=1)]
 HOLDS = "holds_global"  # [C] bool: the client holds the global model (distils from it)
 
 
+# the round's uploads, group by group: (kind, positions among the round's clients, generated
+# [C_j, K_j] with its graph, deltas)
+Sent = list[tuple[str, list[int], Tensor, Tensor]]
+
+
 class MHPFedHN(FederatedMethod):
     """MH-pFedHN: a multi-head hypernetwork generates every client's (heterogeneous) model.
 
@@ -382,7 +387,7 @@ class MHPFedHN(FederatedMethod):
             self.hp.hn_max_grad_norm,
         )
 
-    def group_order(self, sent: list[tuple[str, list[int], Tensor, Tensor]]) -> Tensor:
+    def group_order(self, sent: Sent) -> Tensor:
         """The positions among the round's clients of ``sent``'s rows, group after group."""
         return torch.tensor([p for _, positions, *_ in sent for p in positions], device=self.device)
 
@@ -454,7 +459,7 @@ class MHPFedHN(FederatedMethod):
         """
         batches = self.draw_batches(clients, round_idx)
         ids = clients.cpu()
-        sent: list[tuple[str, list[int], Tensor, Tensor]] = []  # kind, rows, generated, delta
+        sent: Sent = []  # kind, rows, generated, delta
 
         def train(group: GroupShare) -> Tensor:
             kind, rows, positions = group.name, group.rows, group.rows.cpu()
@@ -504,13 +509,7 @@ class MHPFedHN(FederatedMethod):
             up |= {f"{k}.{n}": t for n, t in self.uploaded(delta).items()}
         return losses, down, up
 
-    def mean_update(
-        self,
-        sent: list[tuple[str, list[int], Tensor, Tensor]],
-        clients: Tensor,
-        round_idx: int,
-        any_arrived: bool,
-    ) -> None:
+    def mean_update(self, sent: Sent, clients: Tensor, round_idx: int, any_arrived: bool) -> None:
         """``hn_update: mean``: set grad(phi, v) from the round's ``sent`` groups (kind,
         positions among ``clients``, generated ``[C_j, K_j]`` with its graph, deltas) with equal
         weights over the clients that reported back (none, ``any_arrived`` False: no
@@ -533,9 +532,7 @@ class MHPFedHN(FederatedMethod):
         )
         return torch.randperm(count, generator=generator).tolist()
 
-    def per_client_steps(
-        self, sent: list[tuple[str, list[int], Tensor, Tensor]], round_idx: int, reported: list
-    ) -> None:
+    def per_client_steps(self, sent: Sent, round_idx: int, reported: list[bool]) -> None:
         """``hn_update: per_client``: one step per client that reported back (``reported``,
         per position), in the seeded :meth:`update_order`, each with that client's
         (d g_i / d(phi, v))^T delta_i, clipped, all at the round's starting phi (the clients

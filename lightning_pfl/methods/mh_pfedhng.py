@@ -15,7 +15,7 @@ from lightning_pfl.engine import (
 )
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.mh_parts import client_subset
-from lightning_pfl.methods.mh_pfedhn import HOLDS, Fraction, MHPFedHN
+from lightning_pfl.methods.mh_pfedhn import HOLDS, Fraction, MHPFedHN, Sent
 from lightning_pfl.models import build_network
 from lightning_pfl.models.hypernetwork import steps_in_turn
 from lightning_pfl.models.multihead_hypernetwork import (
@@ -222,13 +222,7 @@ class MHPFedHNG(MHPFedHN):
         self.server_gradients([flat], [mean], torch.ones(1, device=self.device))
         return True
 
-    def mean_update(
-        self,
-        sent: list[tuple[str, list[int], Tensor, Tensor]],
-        clients: Tensor,
-        round_idx: int,
-        any_arrived: bool,
-    ) -> None:
+    def mean_update(self, sent: Sent, clients: Tensor, round_idx: int, any_arrived: bool) -> None:
         """``global_step: joint``: the held global update's gradient and the personal one,
         both at the round's phi (with ``client_dp`` one release,
         :meth:`private_gradients`), the global step taken here and the personal one left
@@ -251,7 +245,7 @@ class MHPFedHNG(MHPFedHN):
 
     def private_gradients(
         self,
-        sent: list[tuple[str, list[int], Tensor, Tensor]],
+        sent: Sent,
         clients: Tensor,
         round_idx: int,
         held: HeldGlobal,
