@@ -94,8 +94,10 @@ REFUSED: dict[str, tuple[str, str]] = {
     "CCVR": (
         "its update (FedAvg's round) and, for the calibration, its per-class feature means "
         "and covariances",
-        "the server fits the calibrated classifier on those statistics, a second upload that "
-        "would need its own noise (not implemented)",
+        "the server fits the calibrated classifier on those statistics of every training "
+        "client, not a sample, at each evaluation: a release per evaluation without "
+        "subsampling, which would need its own noise and its own entry in the accountant (not "
+        "implemented)",
     ),
     "CFL": (
         "its update",
