@@ -288,10 +288,6 @@ def unreliable_clients(
 
 def honouring_methods() -> list[str]:
     """Names of the methods that honour :class:`Conditions`."""
-    import lightning_pfl.methods as methods
+    from lightning_pfl.methods import method_classes
 
-    return sorted(
-        name
-        for name in methods.__all__
-        if isinstance(cls := getattr(methods, name), type) and vars(cls).get("honours_conditions")
-    )
+    return sorted(n for n, cls in method_classes().items() if vars(cls).get("honours_conditions"))

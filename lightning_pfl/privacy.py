@@ -219,13 +219,12 @@ class ClientDP:
 
 def privatizing_methods() -> list[str]:
     """Names of the methods whose round applies :class:`ClientDP` (:func:`privatizes`)."""
-    import lightning_pfl.methods as methods
+    from lightning_pfl.methods import method_classes
 
     return sorted(
         name
-        for name in methods.__all__
-        if isinstance(cls := getattr(methods, name), type)
-        and getattr(getattr(cls, "run_round", None), "privatizes", None) is not None
+        for name, cls in method_classes().items()
+        if getattr(cls.run_round, "privatizes", None) is not None
     )
 
 

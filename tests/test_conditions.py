@@ -17,7 +17,7 @@ from lightning_pfl.conditions import Conditions, Stragglers, straggler_steps
 from lightning_pfl.costs import RoundCosts
 from lightning_pfl.engine import TrainResult
 from lightning_pfl.errors import ConfigError
-from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN
+from lightning_pfl.methods import FedAvg, FederatedMethod, Local, PFedHN, method_classes
 from lightning_pfl.methods.ditto import Ditto
 from lightning_pfl.methods.power_of_choice import FedAvgPoC
 from tests.conftest import build, digits_data, fit
@@ -284,13 +284,7 @@ NO_COMMUNICATION = {"Local", "HeterogeneousLocal"}  # every client trains alone
 
 
 def concrete_methods() -> list[str]:
-    return sorted(
-        name
-        for name in methods.__all__
-        if inspect.isclass(cls := getattr(methods, name))
-        and issubclass(cls, FederatedMethod)
-        and not inspect.isabstract(cls)
-    )
+    return sorted(n for n, cls in method_classes().items() if not inspect.isabstract(cls))
 
 
 def conf_of(name: str) -> dict[str, Any]:

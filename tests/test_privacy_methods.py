@@ -15,7 +15,7 @@ from lightning_pfl import methods
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.methods.base import FederatedMethod
 from lightning_pfl.partition import IID
-from lightning_pfl.privacy import REFUSED, ClientDP
+from lightning_pfl.privacy import REFUSED, ClientDP, privatizing_methods
 from tests.conftest import build, digits_data, fit
 from tests.helpers import assert_same_trained_state, round_updates_beyond
 from tests.test_conditions import concrete_methods, conf_of
@@ -32,7 +32,7 @@ DP_SETTINGS: dict[str, dict[str, Any]] = {
 
 
 def privatized(name: str) -> bool:
-    return getattr(getattr(methods, name).run_round, "privatizes", None) is not None
+    return name in privatizing_methods()
 
 
 def test_every_method_is_privatized_or_has_a_reason_to_refuse() -> None:

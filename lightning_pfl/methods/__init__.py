@@ -25,3 +25,8 @@ for _module in pkgutil.iter_modules(__path__):
             globals()[_name] = _cls
             if _name not in __all__:
                 __all__.append(_name)
+
+
+def method_classes() -> dict[str, type[FederatedMethod]]:
+    """Every method class of the package by its short name (abstract ones included)."""
+    return {name: globals()[name] for name in __all__}
