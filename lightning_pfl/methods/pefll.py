@@ -356,26 +356,22 @@ class PeFLL(PFedHN):
         if h.hn_max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(phi + psi, h.hn_max_grad_norm)
 
-    def set_private_gradients(
-        self,
-        generated: Params,
-        delta: Params,
-        generator: torch.Generator,
-        arrived: Tensor | None = None,
+    def set_private_shared_gradients(
+        self, generated: Params, delta: Params, clients: Tensor, round_idx: int
     ) -> None:
         """DP-FedAvg on (phi, psi): grad = (sum_i f_i c_i + N(0, z^2 S^2 I)) / qN with
         c_i = (d theta_i / d (phi, psi))^T (delta_i + 2 lambda_theta theta_i) and
         f_i = min(1, S / ||c_i||) (:func:`~lightning_pfl.privacy.set_private_delta_gradients`),
-        c_i = 0 for a client not ``arrived`` (``[C]`` bool; None: all arrived); then
-        :meth:`regularize_and_clip` (post-processing)."""
+        c_i = 0 for a client that did not report back in round ``round_idx`` (its delta is 0,
+        its lambda_theta term is not); then :meth:`regularize_and_clip` (post-processing)."""
         dp = self.client_dp
         assert dp is not None, "client_dp is not set"
         outputs = list(generated.values())
-        gradients = self.output_gradients(generated, delta)
-        if arrived is not None:
-            gradients = [
-                torch.where(arrived.view(-1, *[1] * (g.dim() - 1)), g, 0) for g in gradients
-            ]
+        arrived = self.arrived(clients, round_idx)
+        gradients = [
+            torch.where(arrived.view(-1, *[1] * (g.dim() - 1)), g, 0)
+            for g in self.output_gradients(generated, delta)
+        ]
         every = torch.arange(len(outputs[0]), device=outputs[0].device)
         set_private_delta_gradients(
             self.network.body_parameters() + self.network.embedding_parameters(),
@@ -386,7 +382,7 @@ class PeFLL(PFedHN):
             len(every),
             dp,
             self.hp.clients_per_round,  # qN: the simulation samples exactly that many
-            generator,
+            self.client_dp_generator(round_idx),
             None,
         )
         self.regularize_and_clip()
@@ -405,10 +401,7 @@ class PeFLL(PFedHN):
         result = self.local_train({n: t.clone() for n, t in start.items()}, clients, round_idx)
         delta = {n: start[n] - result.params[n] for n in start}
         if self.client_dp is not None:
-            arrived = self.arrived(clients, round_idx) if self.unreliable is not None else None
-            self.set_private_gradients(
-                generated, delta, self.client_dp_generator(round_idx), arrived
-            )
+            self.set_private_shared_gradients(generated, delta, clients, round_idx)
         else:
             self.update_from_arrived(generated, delta, clients, round_idx)
         psi = {
