@@ -246,10 +246,7 @@ class PFLCLI(LightningCLI):
         super()._run_subcommand("fit")
 
     def _dumped(self, config: Namespace) -> dict[str, Any]:
-        # parsing validated it: checking it again took 3/4 of the dump's time
-        dumped = self._parser(self.subcommand).dump(
-            config, format="json", skip_none=False, skip_validation=True
-        )
+        dumped = self._parser(self.subcommand).dump(config, format="json", skip_none=False)
         parsed: dict[str, Any] = json.loads(dumped)
         return parsed
 
