@@ -148,20 +148,23 @@ class KeepCheckpoint(Callback):
 
 
 def assert_resume_is_exact(
-    config: Path, tmp_path: Path, *extra: str, stopped: bool = False
-) -> None:
+    config: Path, tmp_path: Path, *extra: str, stopped: bool = False, tested: bool = False
+) -> PFLCLI:
     """6 rounds in one go == its round-3 checkpoint resumed to round 6 in a new run folder
     (results and state); ``stopped``: == a run stopped by ``max_steps`` at round 3 that goes
-    on with ``--ckpt_path last`` (the end-of-fit path; one run more)."""
-    common = ["--trainer.val_check_interval=3", "--test_after_fit=false", *extra]
+    on with ``--ckpt_path last`` (the end-of-fit path; one run more); ``tested``: both runs
+    test after fit, and their test results are compared too. Returns the run in one go (under
+    ``tmp_path / "straight"``)."""
+    common = ["--trainer.val_check_interval=3", f"--test_after_fit={str(tested).lower()}"]
+    common += extra
     resumed_dir = tmp_path / "resumed"
     if stopped:
-        straight = cli(config, tmp_path / "straight", "--trainer.max_steps=6", *common)
+        instance = cli_run(config, tmp_path / "straight", "--trainer.max_steps=6", *common)
         cli(config, resumed_dir, "--trainer.max_steps=3", *common)
         start = "last"
     else:
         kept = tmp_path / "round3.ckpt"
-        straight = cli(
+        instance = cli_run(
             config,
             tmp_path / "straight",
             "--trainer.max_steps=6",
@@ -170,9 +173,10 @@ def assert_resume_is_exact(
             callbacks=[KeepCheckpoint(3, kept)],
         )
         start = str(kept)
+    straight = json.loads((Path(str(instance.trainer.log_dir)) / "results.json").read_text())
     resumed = cli(config, resumed_dir, "--trainer.max_steps=6", f"--ckpt_path={start}", *common)
     keys = ("rounds", "val_last", "best_round", "val_at_best", "test_at_best_val", "eval_history")
-    for key in (*keys, "test_max_over_evals", "test_last_evals"):
+    for key in (*keys, "test_max_over_evals", "test_last_evals", "test_last"):
         assert resumed[key] == straight[key], key
     assert resumed["comm_bytes_up_total"] == straight["comm_bytes_up_total"]
     a = torch.load(run_dir(tmp_path / "straight", config) / "checkpoints" / "last.ckpt")
@@ -183,6 +187,7 @@ def assert_resume_is_exact(
         for name, tensor in tensors.items():
             assert torch.equal(tensor, b["pfl"]["client_state"][field][name]), (field, name)
     assert str(a["optimizer_states"]) == str(b["optimizer_states"])
+    return instance
 
 
 def bias_only(method: FederatedMethod, bias: list[float]) -> dict[str, torch.Tensor]:

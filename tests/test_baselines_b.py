@@ -1,7 +1,6 @@
 """PFedMe, PerFedAvg, FedBN, FedRoD and MOON: their math, vmap == loop, exact resume."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +13,6 @@ from lightning_pfl.methods.per_fedavg import hessian_vector_product
 from lightning_pfl.methods.pfedme import moreau_solve
 from tests.conftest import build, digits_data
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
 )
@@ -61,10 +58,6 @@ def test_fedbn_vectorized_equals_sequential() -> None:
     # and float rounding between the paths flips argmaxes
     # local_epochs None: the conftest's 3 steps, not the paper's whole epoch at batch 8
     assert_vectorized_equals_sequential(FedBN, local_momentum=0.9, local_epochs=None, **BN)
-
-
-def test_fedbn_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedbn.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- FedRoD
@@ -131,10 +124,6 @@ def test_fedrod_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedRoD)
 
 
-def test_fedrod_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedrod.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- MOON
 def test_model_contrastive_loss_on_a_hand_example() -> None:
     z = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
@@ -190,10 +179,6 @@ def test_moon_keeps_previous_models_and_averages_the_projection() -> None:
 def test_moon_vectorized_equals_sequential() -> None:
     # local_epochs None: the conftest's 3 steps, not the paper's 10 epochs at batch 8
     assert_vectorized_equals_sequential(MOON, projection_dim=16, local_epochs=None)
-
-
-def test_moon_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "moon.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- pFedMe
@@ -275,10 +260,6 @@ def test_pfedme_mixes_with_beta_and_evaluates_theta() -> None:
 
 def test_pfedme_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(PFedMe, local_lr=0.05)
-
-
-def test_pfedme_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "pfedme.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- Per-FedAvg

@@ -1,5 +1,3 @@
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,8 +15,6 @@ from lightning_pfl.methods.fedu import FedU, laplacian_step
 from lightning_pfl.methods.pfedla import PFedLA
 from tests.conftest import build, digits_data, fit
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
 )
@@ -88,10 +84,6 @@ def test_fedproto_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedProto)
 
 
-def test_fedproto_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedproto.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- FedPAC
 def test_fedpac_weights_are_on_the_simplex_and_uniform_for_identical_clients() -> None:
     torch.manual_seed(0)
@@ -134,10 +126,6 @@ def test_fedpac_round_combines_heads_and_averages_bodies() -> None:
 def test_fedpac_vectorized_equals_sequential() -> None:
     # local_epochs None: the conftest's 3 steps, not the paper's 5 body epochs at batch 8
     assert_vectorized_equals_sequential(FedPAC, local_epochs=None)
-
-
-def test_fedpac_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedpac.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- pFedLA
@@ -193,10 +181,6 @@ def test_pfedla_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(PFedLA)
 
 
-def test_pfedla_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "pfedla.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- FedU
 def test_fedu_laplacian_step_on_a_hand_example() -> None:
     models = {"w": torch.tensor([[0.0, 2.0], [4.0, 0.0], [8.0, 4.0]])}
@@ -227,10 +211,6 @@ def test_fedu_refuses_a_wrong_graph() -> None:
 
 def test_fedu_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedU)
-
-
-def test_fedu_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedu.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- FedFomo
@@ -279,7 +259,3 @@ def test_fedfomo_round_combines_downloaded_models_by_their_weights() -> None:
 
 def test_fedfomo_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedFomo, models_per_client=2)
-
-
-def test_fedfomo_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedfomo.yaml", tmp_path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 from torch.func import grad
@@ -14,8 +13,6 @@ from lightning_pfl.methods.fedphp import history_weight, moving_average
 from lightning_pfl.methods.partialfed import mix_layers
 from tests.conftest import build, digits_data
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     bias_only,
     capture_local_training,
@@ -81,10 +78,6 @@ def test_fml_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FML)
 
 
-def test_fml_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fml.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- FedPHP
 def test_fedphp_moving_average_and_mixing_on_hand_numbers() -> None:
     history = {"w": torch.tensor([[1.0, 2.0], [0.0, 0.0]])}
@@ -133,10 +126,6 @@ def test_fedphp_round_updates_the_history_model() -> None:
 
 def test_fedphp_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedPHP, inherit=0.5)
-
-
-def test_fedphp_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedphp.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- HypCluster
@@ -283,10 +272,6 @@ def test_mapper_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(MAPPER, gate_lr=0.5)
 
 
-def test_mapper_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "mapper.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- PartialFed
 def shifted_global(method: PartialFed, by: float) -> None:
     with torch.no_grad():
@@ -352,10 +337,6 @@ def test_partialfed_selection_gradient_and_layer_mixing() -> None:
 
 def test_partialfed_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(PartialFed, select_lr=1.0)
-
-
-def test_partialfed_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "partialfed.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- kNN-Per

@@ -3,7 +3,6 @@ and engine checks."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,8 +31,6 @@ from lightning_pfl.methods.pfedgp import (
 from lightning_pfl.methods.pfedlhn import LayerwiseHyperNetwork
 from tests.conftest import build, digits_data, fit
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
 )
@@ -117,10 +114,6 @@ def test_fedgh_refuses_architectures_without_a_shared_representation_size() -> N
 
 def test_fedgh_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedGH, architectures=HETEROGENEOUS)
-
-
-def test_fedgh_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedgh.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------- pFedLHN
@@ -315,10 +308,6 @@ def test_pefll_without_standardization_reads_raw_mean_embeddings() -> None:
     assert [g["lr"] for g in method.server_optimizer.param_groups] == [method.hp.hn_lr] * 2
 
 
-def test_pefll_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "pefll.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------- FedAKT
 ADAPTER = {"net": "small_cnn", "net_args": {"width": 32}}
 
@@ -391,10 +380,6 @@ def test_fedakt_refuses_an_adapter_of_another_representation_size() -> None:
 
 def test_fedakt_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedAKT, architectures=HETEROGENEOUS, adapter=ADAPTER)
-
-
-def test_fedakt_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedakt.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------- pFedGP
@@ -492,10 +477,6 @@ def test_pfedgp_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(PFedGP)
 
 
-def test_pfedlhn_resume_is_exact_with_the_shared_embedding(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "pfedlhn.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------- HeterogeneousLocal
 def test_heterogeneous_local_with_one_architecture_is_local() -> None:
     dm = digits_data(6)
@@ -530,7 +511,3 @@ def test_heterogeneous_local_trains_only_the_sampled_clients_and_sends_nothing()
 
 def test_heterogeneous_local_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(HeterogeneousLocal, architectures=HETEROGENEOUS)
-
-
-def test_heterogeneous_local_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "heterogeneous_local.yaml", tmp_path)

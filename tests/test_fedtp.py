@@ -29,7 +29,6 @@ from lightning_pfl.models.transformers import CharTransformer, ViT, qkv_names
 from tests.conftest import build, digits_data
 from tests.helpers import (
     CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
     cli,
@@ -338,10 +337,6 @@ def test_vectorized_equals_sequential(cls: type[FederatedMethod]) -> None:
         net_args={**SMALL_VIT, "dropout": 0.0, "emb_dropout": 0.0},
         local_epochs=None,
     )
-
-
-def test_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedtp_rod.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------- noise feature imbalance

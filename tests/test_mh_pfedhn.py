@@ -34,7 +34,6 @@ from lightning_pfl.models.zoo import ZOO_NETWORKS
 from tests.conftest import build, digits_data
 from tests.helpers import (
     CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
     cli,
@@ -471,10 +470,6 @@ def test_vectorized_equals_sequential(cls: type[MHPFedHN], update: str) -> None:
         # (2026-12-02; within tolerance on the Intel Xeon before)
         **{**SMALL, "hn_lr": 1e-3, "hn_update": update},
     )
-
-
-def test_batch_norm_state_and_everything_else_resume_exactly(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "mh_pfedhngd.yaml", tmp_path)
 
 
 def test_per_architecture_accuracy_is_logged(tmp_path: Path) -> None:

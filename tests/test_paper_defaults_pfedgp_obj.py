@@ -5,7 +5,6 @@ computation, with vmap == one by one and exact resume."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ from lightning_pfl.methods.pfedgp import (
 from lightning_pfl.step_inputs import CLOCK, CLOCK_GROUP
 from lightning_pfl.streams import SPLIT_STREAM
 from tests.conftest import build, digits_data
-from tests.helpers import CONF, assert_resume_is_exact, assert_vectorized_equals_sequential
+from tests.helpers import assert_vectorized_equals_sequential
 
 D = torch.float64
 
@@ -194,7 +193,3 @@ def test_pfedgp_predictive_vectorized_equals_sequential_with_idle_steps() -> Non
     assert_vectorized_equals_sequential(
         PFedGP, local_steps=None, local_epochs=1, batch_size=16, predict_ratio=0.25
     )
-
-
-def test_pfedgp_predictive_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "pfedgp.yaml", tmp_path)

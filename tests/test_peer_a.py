@@ -3,8 +3,6 @@ hand-computed case, vectorized == one by one, exact resume with its server and c
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,8 +23,6 @@ from lightning_pfl.params import prefixed
 from lightning_pfl.partition import ClassesPerClient
 from tests.conftest import build, digits_data
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
 )
@@ -94,10 +90,6 @@ def test_scaffold_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(SCAFFOLD)
 
 
-def test_scaffold_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "scaffold.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------- FedOpt
 @pytest.mark.parametrize("adaptivity", ["adagrad", "adam", "yogi"])
 def test_fedopt_server_step_matches_algorithm_2_by_hand(adaptivity: str) -> None:
@@ -145,10 +137,6 @@ def test_fedopt_refuses_server_momentum() -> None:
 
 def test_fedopt_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedOpt, adaptivity="yogi")
-
-
-def test_fedopt_resume_is_exact_with_the_server_moments(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedopt.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------- FedDyn
@@ -230,10 +218,6 @@ def test_feddyn_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedDyn)
 
 
-def test_feddyn_resume_is_exact_with_h_and_client_states(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "feddyn.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------- FedNova
 def test_fednova_momentum_norm_is_the_sum_of_a_i() -> None:
     """a_i = [sum_{j<tau-k} rho^j for k = 0..tau-1] (momentum SGD without dampening)."""
@@ -296,10 +280,6 @@ def test_fednova_vectorized_equals_sequential() -> None:
     )
 
 
-def test_fednova_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fednova.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------- q-FFL
 def test_qffl_step_is_sum_delta_over_sum_h_by_hand() -> None:
     """F_k = mean training CE of w^t over all of client k's samples; Delta w_k = L (w - wbar_k);
@@ -342,7 +322,3 @@ def test_qffl_with_q_zero_is_the_uniform_mean_update() -> None:
 
 def test_qffl_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(QFFL)
-
-
-def test_qffl_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "qffl.yaml", tmp_path)

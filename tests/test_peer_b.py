@@ -4,7 +4,6 @@ examples, vectorized == one by one == threads, exact resume."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +21,6 @@ from lightning_pfl.methods.fedbabu import FedBABU
 from lightning_pfl.methods.fedlc import FedLC, calibrated_cross_entropy
 from tests.conftest import build, digits_data
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
 )
@@ -111,10 +108,6 @@ def test_fedbabu_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedBABU, finetune_epochs=1, finetune_lr=0.005)
 
 
-def test_fedbabu_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedbabu.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- FedLC
 def test_fedlc_calibrated_loss_on_hand_numbers() -> None:
     logits = torch.tensor([[2.0, 0.5, -1.0], [0.0, 1.0, 3.0]])
@@ -171,10 +164,6 @@ def test_fedlc_clients_train_on_their_own_label_counts() -> None:
 
 def test_fedlc_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedLC)
-
-
-def test_fedlc_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedlc.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- FedALA
@@ -266,10 +255,6 @@ def test_fedala_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedALA, ala_max_epochs=3, batch_size=64)
 
 
-def test_fedala_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedala.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- FedAMP
 def test_fedamp_attention_weights_on_hand_numbers() -> None:
     distance = torch.tensor([[0.0, 2.0, 4.0], [2.0, 0.0, 6.0]], dtype=torch.float64)
@@ -323,10 +308,6 @@ def test_fedamp_refuses_a_negative_self_attention() -> None:
 
 def test_fedamp_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedAMP)
-
-
-def test_fedamp_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedamp.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- APPLE
@@ -398,7 +379,3 @@ def test_apple_round_updates_the_own_core_model_and_relationships() -> None:
 
 def test_apple_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(APPLE)
-
-
-def test_apple_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "apple.yaml", tmp_path)

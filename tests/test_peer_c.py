@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +26,6 @@ from lightning_pfl.methods.fedcp import FedCP, policy, rbf_mmd
 from lightning_pfl.methods.gpfl import GPFL, conditional_inputs, conditional_valve, gce_loss
 from tests.conftest import build, digits_data
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
 )
@@ -144,10 +141,6 @@ def test_cfl_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(CFL, eps_1=1e6, eps_2=0.0, split_from_round=1)
 
 
-def test_cfl_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "cfl.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- CCVR
 def test_ccvr_server_moments_are_the_pooled_mean_and_unbiased_covariance() -> None:
     g = torch.Generator().manual_seed(0)
@@ -235,10 +228,6 @@ def test_ccvr_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(CCVR, local_momentum=0.9)
 
 
-def test_ccvr_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "ccvr.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- FedAS
 def test_fedas_alignment_loss_by_hand() -> None:
     z = torch.tensor([[1.0, 2.0], [3.0, 0.0], [5.0, 5.0], [9.0, 9.0]])
@@ -297,10 +286,6 @@ def test_fedas_aligns_the_global_body_then_averages_bodies_by_fisher_trace() -> 
 
 def test_fedas_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedAS)
-
-
-def test_fedas_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedas.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- GPFL
@@ -381,10 +366,6 @@ def test_gpfl_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(GPFL)
 
 
-def test_gpfl_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "gpfl.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- FedCP
 def test_fedcp_policy_and_mmd_by_hand() -> None:
     params = {
@@ -458,7 +439,3 @@ def test_fedcp_with_gumbel_noise_refuses_worker_threads() -> None:
 
 def test_fedcp_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedCP, gumbel_noise=False)
-
-
-def test_fedcp_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedcp.yaml", tmp_path)

@@ -4,7 +4,6 @@ by one == threads, exact resume."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +25,6 @@ from lightning_pfl.methods.floco import (
 from lightning_pfl.step_inputs import CLOCK
 from tests.conftest import build, digits_data
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
 )
@@ -156,10 +153,6 @@ def test_fedem_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedEM, num_components=2)
 
 
-def test_fedem_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedem.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- FedGen
 def build_fedgen(**kwargs: Any) -> FedGen:
     method = build(FedGen, digits_data(6), **{"clients_per_round": 3, **kwargs})
@@ -243,10 +236,6 @@ def test_fedgen_generator_objective_is_the_cross_entropy_of_the_mean_logits() ->
 
 def test_fedgen_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedGen, beta=1.0)
-
-
-def test_fedgen_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedgen.yaml", tmp_path)
 
 
 # ----------------------------------------------------------------------------- Floco
@@ -342,7 +331,3 @@ def test_floco_projects_every_client_at_tau_from_its_endpoint_update() -> None:
 
 def test_floco_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(Floco, endpoints=3, tau=1)
-
-
-def test_floco_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "floco.yaml", tmp_path)

@@ -4,7 +4,6 @@ one by one == threads, exact resume."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +19,6 @@ from lightning_pfl.methods.power_of_choice import FedAvgPoC
 from lightning_pfl.privacy import ClientDP
 from tests.conftest import build, digits_data, fit
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
 )
@@ -164,10 +161,6 @@ def test_fedmgda_plus_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedMGDAPlus)
 
 
-def test_fedmgda_plus_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "fedmgda_plus.yaml", tmp_path)
-
-
 # ----------------------------------------------------------------------------- Power-of-Choice
 def set_prediction(method: FedAvgPoC, bias: list[float]) -> None:
     """The global model predicts ``bias`` for every input (all its other weights zero)."""
@@ -277,7 +270,3 @@ def test_power_of_choice_refuses_a_bad_candidate_count_and_client_dp() -> None:
 
 def test_power_of_choice_vectorized_equals_sequential() -> None:
     assert_vectorized_equals_sequential(FedAvgPoC, candidates=5)
-
-
-def test_power_of_choice_resume_is_exact(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "power_of_choice.yaml", tmp_path)

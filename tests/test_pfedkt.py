@@ -1,5 +1,4 @@
 import math
-from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -15,8 +14,6 @@ from lightning_pfl.models import build_network
 from lightning_pfl.models.chunked_hypernetwork import ChunkedHyperNetwork
 from tests.conftest import build, digits_data, fit
 from tests.helpers import (
-    CONF,
-    assert_resume_is_exact,
     assert_vectorized_equals_sequential,
     capture_local_training,
 )
@@ -349,7 +346,3 @@ def test_case_c_trains_the_global_model_with_the_contrastive_loss(model: str) ->
 
 def test_vectorized_and_sequential_rounds_agree() -> None:
     assert_vectorized_equals_sequential(PFedKT, **FAST)
-
-
-def test_resume_reaches_the_state_of_an_uninterrupted_run(tmp_path: Path) -> None:
-    assert_resume_is_exact(CONF / "pfedkt.yaml", tmp_path)
