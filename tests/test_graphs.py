@@ -120,7 +120,15 @@ METHODS: list[tuple[type[FederatedMethod], dict[str, Any]]] = [
     (PFedHN, {}),
     (PFedHNPC, {}),
     (PFedKT, {"local_epochs": 1}),
-    (FedSimSup, {"supervisors": {"cnn": {"net": "digits_cnn", "net_args": {"width": 4}}}}),
+    (
+        FedSimSup,
+        {
+            "supervisors": {"cnn": {"net": "digits_cnn", "net_args": {"width": 4}}},
+            "supervisor_epochs": 1,
+            "model_epochs": 1,
+            "batch_size": 32,
+        },
+    ),
     (CFL, {"eps_1": 1e6, "eps_2": 0.0, "split_from_round": 1}),
     (CCVR, {}),
     (FedAS, {}),
