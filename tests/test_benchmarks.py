@@ -71,7 +71,7 @@ def test_speed_skips_the_threaded_path_for_a_network_with_dropout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "speed.json"
-    argv = ["speed", "--device", "cpu", "--workload", "cifar_vit", "--methods", "FedTP"]
+    argv = ["speed", "--device", "cpu", "--workload", "cifar_vit", "--methods", "FedAvg"]
     argv += ["--clients", "1", "--num-clients", "2", "--steps", "1", "--batch", "4"]
     argv += ["--rounds", "1", "--precisions", "32-true", "--paths", "default", "threaded"]
     monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
