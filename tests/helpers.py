@@ -48,11 +48,17 @@ def cli(
     callbacks: list[Callback] | None = None,
 ) -> dict[str, Any]:
     """:func:`cli_run`, returning the run's ``results.json``."""
-    instance = cli_run(
-        config, save_dir, *extra, subcommand=subcommand, figures=figures, callbacks=callbacks
+    return results_of(
+        cli_run(
+            config, save_dir, *extra, subcommand=subcommand, figures=figures, callbacks=callbacks
+        )
     )
-    with open(Path(instance.trainer.log_dir) / "results.json") as f:
-        return json.load(f)  # type: ignore[no-any-return]
+
+
+def results_of(instance: PFLCLI) -> dict[str, Any]:
+    """The ``results.json`` that the CLI run ``instance`` wrote."""
+    assert instance.results_path is not None, "the run wrote no results.json"
+    return json.loads(instance.results_path.read_text())  # type: ignore[no-any-return]
 
 
 def run_dir(save_dir: Path, config: Path, version: int = 0) -> Path:
@@ -173,7 +179,7 @@ def assert_resume_is_exact(
             callbacks=[KeepCheckpoint(3, kept)],
         )
         start = str(kept)
-    straight = json.loads((Path(str(instance.trainer.log_dir)) / "results.json").read_text())
+    straight = results_of(instance)
     resumed = cli(config, resumed_dir, "--trainer.max_steps=6", f"--ckpt_path={start}", *common)
     keys = ("rounds", "val_last", "best_round", "val_at_best", "test_at_best_val", "eval_history")
     for key in (*keys, "test_max_over_evals", "test_last_evals", "test_last"):

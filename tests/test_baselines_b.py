@@ -1,4 +1,5 @@
-"""PFedMe, PerFedAvg, FedBN, FedRoD and MOON: their math, vmap == loop, exact resume."""
+"""PFedMe, PerFedAvg, FedBN, FedRoD and MOON: their math, vmap == loop (exact resume:
+tests/test_cli.py, RESUMED)."""
 
 import math
 

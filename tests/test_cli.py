@@ -12,7 +12,7 @@ from lightning_pfl.cli import PFLCLI
 from lightning_pfl.console import result_lines
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.experiment import LAST_CHECKPOINT
-from tests.helpers import CONF, assert_resume_is_exact, cli, cli_run, run_dir
+from tests.helpers import CONF, assert_resume_is_exact, cli, cli_run, results_of, run_dir
 
 CONFIGS = sorted(CONF.glob("*.yaml"))
 
@@ -57,7 +57,7 @@ def test_fit_then_test_through_the_cli(config: Path, tmp_path: Path, fake_data_r
     else:
         instance = cli_run(config, tmp_path, root)
         save_dir, rounds, evaluated = tmp_path, 4, (0, 2, 4)
-    fitted = json.loads((Path(str(instance.trainer.log_dir)) / "results.json").read_text())
+    fitted = results_of(instance)
     assert fitted["rounds"] == rounds and fitted["best_round"] in evaluated
     for key in ("acc", "acc_weighted", "acc_std", "acc_min", "acc_p10", "loss"):
         assert 0 <= fitted["test_last"][key] < (1.0001 if key.startswith("acc") else 100)

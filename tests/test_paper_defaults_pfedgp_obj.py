@@ -1,6 +1,6 @@
 """pFedGP's training objective (issue 43, item 3): the authors' code's predictive likelihood by
 default, the marginal likelihood as ``objective: marginal``; each checked against a hand
-computation, with vmap == one by one and exact resume."""
+computation, with vmap == one by one (exact resume: tests/test_cli.py, RESUMED)."""
 
 from __future__ import annotations
 

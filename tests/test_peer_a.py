@@ -1,5 +1,6 @@
 """SCAFFOLD, FedOpt, FedDyn, FedNova and q-FFL (issue 46): each method's math against a
-hand-computed case, vectorized == one by one, exact resume with its server and client state."""
+hand-computed case, vectorized == one by one (exact resume with its server and client state:
+tests/test_cli.py, RESUMED)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """FedBABU, FedLC, FedALA, FedAMP and APPLE (issue 46): their distinguishing math on hand
-examples, vectorized == one by one == threads, exact resume."""
+examples, vectorized == one by one == threads (exact resume: tests/test_cli.py, RESUMED)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""CFL, CCVR, FedAS, GPFL and FedCP (issue 46): their math on hand examples, vmap == loop,
-exact resume."""
+"""CFL, CCVR, FedAS, GPFL and FedCP (issue 46): their math on hand examples, vmap == loop
+(exact resume: tests/test_cli.py, RESUMED; CFL's tests/test_paper_defaults_cfl_lhn.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """FedEM, FedGen and Floco (issue 46): their distinguishing math on hand examples, vmap == one
-by one == threads, exact resume."""
+by one == threads (exact resume: tests/test_cli.py, RESUMED)."""
 
 from __future__ import annotations
 
