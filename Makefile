@@ -17,8 +17,11 @@ setup: $(BIN)/lightning-pfl
 demo: setup
 	$(BIN)/lightning-pfl fit --config configs/quickstart.yaml
 
+# PYTHONDONTWRITEBYTECODE (set on some machines) would make every pytest worker and every
+# Python the tests start compile lightning_pfl and rewrite the test modules anew; the suite
+# caches them in __pycache__ (git-ignored) instead.
 test: setup
-	$(BIN)/pytest -n auto --dist worksteal tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest -n auto --dist worksteal tests
 
 lint: setup
 	$(BIN)/ruff check lightning_pfl tests benchmarks cli.py
