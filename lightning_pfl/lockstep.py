@@ -223,8 +223,12 @@ class Lockstep:
     def run(self, targets: Sequence[Callable[[], Any]]) -> list[Any]:
         """Run ``targets`` to the end; returns each one's value or the exception it raised."""
         outcomes: list[Any] = [None] * len(targets)
+        # A new thread takes the intra-op thread count last set in any thread (the client
+        # threads set 1), not this one's: each run computes with the threads it has alone.
+        threads_alone = torch.get_num_threads()
 
         def body(index: int) -> None:
+            torch.set_num_threads(threads_alone)
             with self.lock:
                 self._await_turn(index)
             try:

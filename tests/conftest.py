@@ -1,10 +1,10 @@
 import os
 from typing import Any
 
-# The suite runs one worker per core (pytest-xdist, `make test`): one thread per worker avoids
-# oversubscribing the cores; subprocess runs started by tests inherit it.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One intra-op thread, with or without pytest-xdist (`make test` runs a worker per core): the
+# tests compare runs bit for bit, and CPU kernels round differently with other thread counts
+# (MH-pFedHN's job on the threaded loop did, with two); subprocess runs inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -19,8 +19,7 @@ from lightning_pfl.validation import argument_default
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.use_deterministic_algorithms(True)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
 
 
 def digits_data(num_clients: int = 6, **kwargs: Any) -> FederatedDataModule:

@@ -331,6 +331,23 @@ def _assert_same_checkpoints(
                 )
 
 
+def test_a_jobs_runs_compute_with_the_intra_op_threads_of_a_run_alone() -> None:
+    """A thread started after the client threads (which set one intra-op thread each) would
+    take their count, not the process's: a job's runs would then round differently from the
+    same runs alone (CCVR's one-by-one path did, after a threaded test, with two threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            pool.submit(int).result()
+        counts = Lockstep(2, [get_rng(), get_rng()]).run([torch.get_num_threads] * 2)
+    finally:
+        torch.set_num_threads(threads)
+    assert counts == [2, 2]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_a_job_trains_every_method_as_its_runs_alone(case: Case) -> None:
     """Two seeds (split and training) of every method on vmap (and the ``EXACT_PATHS`` cases
