@@ -506,11 +506,12 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
 
     logs = tmp_path / "logs"
     argv = ["accuracy", "--setting", "digits", "--jobs", "2", "--methods", "fedavg"]
-    argv += ["--splits", "dirichlet", "--seeds", "0", "1"]
-    # 300 rounds of 2 steps: about 10 s each, so neither run can finish in the time the other
-    # takes to start (24 rounds once did, on a quiet machine, before the signal reached it)
-    argv += ["--rounds-scale", "1", "--log-dir", str(logs), "--out-dir", str(tmp_path / "out")]
-    cheap_rounds = ["--extra", "--model.init_args.local_steps=2", *NO_FIGURES]
+    argv += ["--splits", "dirichlet", "--seeds", "0", "1", "--rounds-scale", str(6 / 300)]
+    argv += ["--log-dir", str(logs), "--out-dir", str(tmp_path / "out")]
+    # each run waits at round 3 until the signal reaches it (tests/holding.py), so neither can
+    # finish, or not yet train, when it comes, however slowly the other one starts
+    hold = ["--trainer.callbacks+=tests.holding.HoldForSignal", "--trainer.callbacks.at_round=3"]
+    cheap_rounds = ["--extra", "--model.init_args.local_steps=2", *hold, *NO_FIGURES]
     names = [accuracy.run_name("digits", "dirichlet", "fedavg", seed) for seed in (0, 1)]
     monkeypatch.chdir(accuracy.REPO)
 
@@ -520,7 +521,7 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
 
     def terminate_once_both_train() -> None:
         deadline = time.monotonic() + 240
-        while not all("round 25/300:" in log(name) for name in names):
+        while not all("holding at round 3" in log(name) for name in names):
             if time.monotonic() > deadline:
                 return  # unsignalled, the benchmark ends by itself: pytest.raises fails
             time.sleep(0.1)
@@ -534,14 +535,14 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
     watcher.join()
     assert not (tmp_path / "out" / "digits" / "fedavg.json").exists()
     for name in names:
-        assert log(name).count("SIGTERM received: stopped after round") == 1, log(name)
+        assert log(name).count("SIGTERM received: stopped after round 4 ") == 1, log(name)
         assert checkpointed_versions(logs / name)
 
     monkeypatch.setattr(sys, "argv", [*argv, "--resume", *cheap_rounds])
     accuracy.main()
     capsys.readouterr()
     rows = json.loads((tmp_path / "out" / "digits" / "fedavg.json").read_text())["rows"]
-    assert [(row["seed"], row["rounds"]) for row in rows] == [(0, 300), (1, 300)]
+    assert [(row["seed"], row["rounds"]) for row in rows] == [(0, 6), (1, 6)]
     for name in names:
         assert log(name).count("resuming from its last.ckpt") == 1
         assert [p.name for p in (logs / name).iterdir()] == ["version_0"]

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,15 @@ from tests.helpers import CONF, cli, run_dir
 ROOT = Path(__file__).parents[1]
 FEDAVG = CONF / "fedavg.yaml"
 LONG = [
-    "--trainer.max_steps=20",
+    "--trainer.max_steps=12",
     "--trainer.val_check_interval=5",
     "--checkpoint.every_n_rounds=3",
     "--model.init_args.local_steps=6",
     "--trainer.enable_progress_bar=false",
     "--model.init_args.log_figures=false",
 ]
+# the started run waits before round 8 until the signal has reached it (tests/holding.py)
+HOLD = ["--trainer.callbacks+=tests.holding.HoldForSignal", "--trainer.callbacks.at_round=7"]
 TIMING_KEYS = {"seconds_per_round", "config", "subcommand"}
 
 
@@ -54,14 +55,13 @@ def results(save_dir: Path) -> dict[str, Any]:
     return {k: v for k, v in found.items() if k not in TIMING_KEYS}
 
 
-def wait_for_round(process: subprocess.Popen[str], round_idx: int) -> None:
-    """Read the validation lines (one per validation) until ``round_idx`` was validated."""
+def wait_until_held(process: subprocess.Popen[str]) -> None:
+    """Read the run's stderr until it holds (:class:`tests.holding.HoldForSignal`)."""
     assert process.stderr is not None
-    deadline = time.monotonic() + 240
     for line in process.stderr:
-        if line.startswith(f"round {round_idx}/") or time.monotonic() > deadline:
+        if line.startswith("holding at round"):
             return
-    raise AssertionError("the run ended before the round was reached")
+    raise AssertionError("the run ended before it held")
 
 
 def test_a_run_stopped_by_ctrl_c_resumes_to_the_results_of_an_uninterrupted_one(
@@ -73,14 +73,15 @@ def test_a_run_stopped_by_ctrl_c_resumes_to_the_results_of_an_uninterrupted_one(
     their own sessions. A crash (SIGKILL) resumes from a periodic checkpoint: tests/test_jobs.py
     kills a job, and every method's resume test (tests/helpers.py assert_resume_is_exact)
     resumes from one."""
-    process = start(tmp_path / "stopped")
-    wait_for_round(process, 10)  # after the checkpoints of rounds 3, 6 and 9
+    process = start(tmp_path / "stopped", *HOLD)
+    wait_until_held(process)  # after the checkpoints of rounds 3 and 6
     process.send_signal(signal.SIGINT)
     code, err = finish(process)
     assert code == 128 + signal.SIGINT, err[-2000:]
     assert "--ckpt_path last" in err and "Traceback" not in err
+    assert "stopped after round 8 " in err  # the round under way when the signal came
     last = run_dir(tmp_path / "stopped", FEDAVG) / "checkpoints" / "last.ckpt"
-    assert 10 <= torch.load(last)["pfl"]["round"] < 20
+    assert torch.load(last)["pfl"]["round"] == 8
     assert last.exists() and not last.with_name("last.ckpt.tmp").exists()
     # the resumed and the uninterrupted run in this process (the CLI's code, one start each less)
     cli(FEDAVG, tmp_path / "stopped", *LONG, "--ckpt_path=last")
