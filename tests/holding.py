@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning import Callback, LightningModule, Trainer
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from lightning_pfl.callbacks import STOP_SIGNALS
 
 
 class HoldForSignal(Callback):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -335,8 +336,6 @@ def test_a_jobs_runs_compute_with_the_intra_op_threads_of_a_run_alone() -> None:
     """A thread started after the client threads (which set one intra-op thread each) would
     take their count, not the process's: a job's runs would then round differently from the
     same runs alone (CCVR's one-by-one path did, after a threaded test, with two threads)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
