@@ -17,19 +17,27 @@ methods=(scaffold feddyn fedadam fedyogi fedadagrad fednova fedala fedbabu fedam
 resume=()
 [[ ${RESUME:-0} == 1 ]] && resume=(--resume)
 
-has_seeds() {  # has_seeds FILE SEED...: the file holds a row of every SEED
-  [[ -f $1 ]] && "$python" - "$@" <<'EOF'
+missing() {  # missing SETTING SPLIT SEEDS: the methods whose rows of SPLIT there lack a SEED
+  "$python" - "$@" "${methods[@]}" <<'EOF'
 import json, sys
-seeds = {r["seed"] for r in json.load(open(sys.argv[1]))["rows"]}
-sys.exit(0 if {int(s) for s in sys.argv[2:]} <= seeds else 1)
+from pathlib import Path
+
+setting, split, seeds, *methods = sys.argv[1:]
+wanted = {int(s) for s in seeds.split(",")}
+
+
+def has_rows(method: str) -> bool:
+    path = Path("benchmarks/results", setting, f"{method}.json")
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    return wanted <= {r["seed"] for r in rows if r["split"] == split}
+
+
+print(" ".join(m for m in methods if not has_rows(m)))
 EOF
 }
 
-dirichlet=() pathological=()
-for m in "${methods[@]}"; do
-  has_seeds "benchmarks/results/fashion_mnist_dirichlet/$m.json" 0 1 2 || dirichlet+=("$m")
-  has_seeds "benchmarks/results/fashion_mnist/$m.json" 1 2 || pathological+=("$m")
-done
+read -r -a dirichlet <<<"$(missing fashion_mnist_dirichlet dirichlet 0,1,2)"
+read -r -a pathological <<<"$(missing fashion_mnist pathological 1,2)"
 echo "dirichlet: ${dirichlet[*]:-none}; pathological seeds 1-2: ${pathological[*]:-none}"
 status=0
 if ((${#dirichlet[@]})); then
