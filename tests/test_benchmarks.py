@@ -2,6 +2,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -565,6 +566,56 @@ def test_accuracy_resume_needs_the_log_dir(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(sys, "argv", ["accuracy", "--setting", "digits", "--resume"])
     with pytest.raises(SystemExit):
         accuracy.main()
+
+
+def test_issue46_rows_runs_only_the_methods_whose_split_lacks_a_seed(tmp_path: Path) -> None:
+    """The script reads the committed rows from its working directory: a method is run when a
+    seed it needs has no row of that split (rows of another split do not count)."""
+    script = Path(__file__).parents[1] / "benchmarks" / "issue46_rows.sh"
+    calls = tmp_path / "calls.txt"
+    stub = tmp_path / "python"  # runs the script's own Python, records the benchmark commands
+    stub.write_text(
+        f'#!/bin/sh\nif [ "$1" = -m ]; then echo "$*" >> {calls}; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    stub.chmod(0o755)
+
+    def run(resume: str = "0") -> list[list[str]]:
+        calls.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHON": str(stub), "RESUME": resume}
+        subprocess.run(["bash", str(script), "ROOT"], cwd=tmp_path, env=env, check=True)
+        return sorted(line.split() for line in calls.read_text().splitlines())
+
+    def methods(command: list[str]) -> list[str]:
+        start = command.index("--methods") + 1
+        return command[start : command.index("--seeds")]
+
+    def write(setting: str, method: str, split: str, seeds: list[int]) -> None:
+        folder = tmp_path / "benchmarks" / "results" / setting
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = [{"split": split, "seed": seed} for seed in seeds]
+        (folder / f"{method}.json").write_text(json.dumps({"rows": rows}))
+
+    pathological, dirichlet = run()  # sorted: "--setting fashion_mnist" first
+    every = methods(dirichlet)
+    assert methods(pathological) == every and len(every) == 22
+    assert "--resume" not in dirichlet
+    write("fashion_mnist_dirichlet", "scaffold", "dirichlet", [0, 1, 2])
+    write("fashion_mnist_dirichlet", "fedadam", "dirichlet", [0, 1])
+    for method in every:
+        write("fashion_mnist", method, "pathological", [0, 1, 2])
+    write("fashion_mnist", "fedbabu", "pathological", [0])
+    write("fashion_mnist", "fedlc", "dirichlet", [1, 2])
+    pathological, dirichlet = run(resume="1")
+    assert methods(dirichlet) == [m for m in every if m != "scaffold"]
+    assert methods(pathological) == ["fedbabu", "fedlc"]
+    assert pathological[
+        pathological.index("--seeds") + 1 : pathological.index("--rounds-scale")
+    ] == [
+        "1",
+        "2",
+    ]
+    assert "--resume" in dirichlet and "--resume" in pathological
 
 
 def test_speed_times_a_job_against_a_sample_of_its_runs_timed_alone(
