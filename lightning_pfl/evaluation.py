@@ -8,7 +8,7 @@ when the data has one) and hands the statistics to the run record
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +41,7 @@ class Evaluation(LightningModule):
         record: RunRecord
         val_metric: ClientAccuracy
         test_metric: ClientAccuracy
+        round_test_metric: ClientAccuracy
 
         @property
         def hp(self) -> AttributeDict: ...
@@ -74,14 +75,24 @@ class Evaluation(LightningModule):
     def evaluate(self, clients: Tensor, split: Split) -> tuple[Tensor, Tensor, Tensor]:
         """Correct predictions, sample counts and summed loss of each client's own model, one
         :meth:`network_groups` group at a time."""
+        return self.evaluate_splits(clients, (split,))[0]
+
+    @torch.no_grad()
+    def evaluate_splits(
+        self, clients: Tensor, splits: Sequence[Split]
+    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """:meth:`evaluate` on each of ``splits``, with one :meth:`personalized_params` call
+        for them all (a method that fine-tunes for evaluation fine-tunes once, not per split)."""
         groups = self.network_groups()
         if groups is None:
-            return self.evaluate_clients(clients, split)
-        out = tuple(torch.zeros(len(clients), device=self.device) for _ in range(3))
+            params = self.personalized_params(clients)
+            return [self.evaluate_clients(clients, split, params) for split in splits]
+        out = torch.zeros(len(splits), 3, len(clients), device=self.device)
         for _, rows in groups.split(clients):
-            for total, part in zip(out, self.evaluate_clients(clients[rows], split), strict=True):
-                total[rows] = part
-        return out  # type: ignore[return-value]
+            params = self.personalized_params(clients[rows])
+            for totals, split in zip(out, splits, strict=True):
+                totals[:, rows] = torch.stack(self.evaluate_clients(clients[rows], split, params))
+        return [(correct, samples, loss) for correct, samples, loss in out]
 
     def client_logits(self, params: Params, x: Tensor) -> Tensor:
         """Logits (float) of each client's model (``params`` stacked) on its own inputs ``x``
@@ -117,28 +128,39 @@ class Evaluation(LightningModule):
         return correct, total, loss_sum
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        if self.data.has_validation:  # without, the loop only schedules the test's evaluation
-            clients = self.training_clients_of(batch)
-            self.val_metric.update(clients, *self.evaluate(clients, "val"))
+        # The round's test evaluation runs here too, on the same personalized models; without
+        # a validation split the loop is only what schedules it.
+        clients = self.training_clients_of(batch)
+        if not self.data.has_validation:
+            self.round_test_metric.update(clients, *self.evaluate(clients, "test"))
+            return
+        val, test = self.evaluate_splits(clients, ("val", "test"))
+        self.val_metric.update(clients, *val)
+        self.round_test_metric.update(clients, *test)
 
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
         clients = self.training_clients_of(batch)
         self.test_metric.update(clients, *self.evaluate(clients, "test"))
 
-    def _evaluate_all(self, split: Split) -> tuple[dict[str, float], Tensor]:
-        """Statistics and per-client accuracies of every training client on ``split`` (all
-        ranks call)."""
-        metric = ClientAccuracy(self.hp.num_clients, self.client_groups()).to(self.device)
+    def _evaluate_all(self, splits: Sequence[Split]) -> list[tuple[dict[str, float], Tensor]]:
+        """Statistics and per-client accuracies of every training client on each of
+        ``splits`` (all ranks call)."""
+        metrics = [
+            ClientAccuracy(self.hp.num_clients, self.client_groups()).to(self.device)
+            for _ in splits
+        ]
         for chunk in self.data.client_chunks():
             chunk = self.training_clients_of(chunk.to(self.device))
-            metric.update(chunk, *self.evaluate(chunk, split))
-        return {k: float(v) for k, v in metric.compute().items()}, metric.per_client()
+            for metric, result in zip(metrics, self.evaluate_splits(chunk, splits), strict=True):
+                metric.update(chunk, *result)
+        return [take(metric) for metric in metrics]
 
-    def _record_validation(self, validation: tuple[dict[str, float], Tensor] | None) -> None:
-        """Evaluate the test split at this round and log it; with ``validation`` (statistics
-        and per-client accuracies; None: the data has no validation split) also make the round
-        a best-round candidate and log the validation."""
-        test = self._evaluate_all("test")[0]
+    def _record_validation(
+        self, test: dict[str, float], validation: tuple[dict[str, float], Tensor] | None
+    ) -> None:
+        """Log the test statistics ``test`` of this round; with ``validation`` (statistics and
+        per-client accuracies; None: the data has no validation split) also make the round a
+        best-round candidate and log the validation."""
         logged, summary = self.record.add_evaluation(
             int(self.global_step), test, None if validation is None else validation[0]
         )
@@ -156,16 +178,14 @@ class Evaluation(LightningModule):
             )
 
     def on_validation_epoch_end(self) -> None:
-        if not self.data.has_validation:
-            if not self.trainer.sanity_checking:
-                self._record_validation(None)
-            return
-        stats = {k: float(v) for k, v in self.val_metric.compute().items()}
-        per_client = self.val_metric.per_client()
-        self.val_metric.reset()
+        test = take(self.round_test_metric)[0]
+        validation = take(self.val_metric) if self.data.has_validation else None
         if self.trainer.sanity_checking:
             return
-        self._record_validation((stats, per_client))
+        self._record_validation(test, validation)
+        if validation is None:
+            return
+        stats = validation[0]
         key = self.hp.select_metric
         for name, value in (("val/acc", stats["acc"]), ("val/acc_weighted", stats["acc_weighted"])):
             self.log(name, value, prog_bar=True, logger=False, sync_dist=True)
@@ -180,3 +200,11 @@ class Evaluation(LightningModule):
             self.log(name, value, logger=False, sync_dist=True)
         self._log_at_round(logged)
         self._log_client_accuracy("test", per_client)
+
+
+def take(metric: ClientAccuracy) -> tuple[dict[str, float], Tensor]:
+    """``metric``'s statistics and per-client accuracies; the metric is reset."""
+    stats = {k: float(v) for k, v in metric.compute().items()}
+    per_client = metric.per_client()
+    metric.reset()
+    return stats, per_client

@@ -157,7 +157,7 @@ class NovelClients(Callback):
         with torch.no_grad():
             for tensor, value in zip(changed, trained, strict=True):
                 tensor.copy_(value)
-        last_acc = pl_module._evaluate_all("test")[0]["acc"]
+        last_acc = pl_module._evaluate_all(("test",))[0][0]["acc"]
         best = pl_module.record.best
         train_acc = best["test"]["acc"] if best else last_acc
         tv, nearest = self.label_distances(pl_module)

@@ -78,9 +78,9 @@ def test_validation_and_test_metrics_cover_training_clients_only() -> None:
     for chunk in dm.client_chunks():
         method.validation_step(chunk, 0)
         method.test_step(chunk, 0)
-    for metric in (method.val_metric, method.test_metric):
+    for metric in (method.val_metric, method.test_metric, method.round_test_metric):
         assert (metric.total[:7] > 0).all() and (metric.total[7:] == 0).all()
-    stats, per_client = method._evaluate_all("val")
+    [(stats, per_client)] = method._evaluate_all(("val",))
     assert not per_client[:7].isnan().any() and per_client[7:].isnan().all()
     assert stats["acc"] == pytest.approx(per_client[:7].mean().item())
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 import yaml
 
+from lightning_pfl.engine import Params
 from lightning_pfl.errors import ConfigError
 from lightning_pfl.experiment import flatten
+from lightning_pfl.methods import FedBABU
 from lightning_pfl.metrics import over_evaluations
 from lightning_pfl.papers import load_fact_table, overrides, same_value
 from tests.helpers import CONF, cli, run_dir
@@ -241,6 +243,26 @@ def test_results_carry_the_test_split_of_every_evaluation(tmp_path: Path) -> Non
     assert result["test_last_evals"]["rounds"] == [2, 4]
     final = result["test_last"]
     assert history[-1]["acc_weighted"] == pytest.approx(final["acc_weighted"])
+
+
+def test_an_evaluation_builds_each_clients_model_once_for_validation_and_test(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FedBABU fine-tunes every client's model for evaluation: once per evaluated round, both
+    splits measured on it (the test after fit builds its own)."""
+    built: list[int] = []
+    personalize = FedBABU.personalized_params
+
+    def counted(self: FedBABU, clients: torch.Tensor) -> Params:
+        built.extend(clients.tolist())
+        return personalize(self, clients)
+
+    monkeypatch.setattr(FedBABU, "personalized_params", counted)
+    result = cli(CONF / "fedbabu.yaml", tmp_path)
+    evaluations = len(result["eval_history"])
+    assert evaluations >= 2 and result["best_round"] is not None
+    clients = range(4)  # tests/conf/fedbabu.yaml's
+    assert {c: built.count(c) for c in set(built)} == dict.fromkeys(clients, evaluations + 1)
 
 
 def test_a_checkpoint_without_the_evaluation_history_is_refused(tmp_path: Path) -> None:

@@ -209,6 +209,7 @@ class FederatedMethod(
         self.ddp_anchor = nn.Parameter(torch.zeros(0))
         self.val_metric = ClientAccuracy(num_clients)
         self.test_metric = ClientAccuracy(num_clients)
+        self.round_test_metric = ClientAccuracy(num_clients)  # the test at evaluated rounds
         self._data: FederatedDataModule | None = None
         self.record = RunRecord(select_metric, last_evals)
         self.server_optimizer: torch.optim.Optimizer | None = None  # set by configure_optimizers
@@ -330,7 +331,8 @@ class FederatedMethod(
 
     def _place_state(self) -> None:
         self.store.to(self.device, offload=self.hp.offload_client_state)
-        self.val_metric.groups = self.test_metric.groups = self.client_groups()
+        groups = self.client_groups()
+        self.val_metric.groups = self.test_metric.groups = self.round_test_metric.groups = groups
 
     def on_fit_start(self) -> None:
         if not self._executor_pinned:
@@ -347,9 +349,11 @@ class FederatedMethod(
                     self.logger, hparams_table(type(self).__name__, self.hparams, self.data)
                 )
             if self._validation_enabled():
-                self._record_validation(
-                    self._evaluate_all("val") if self.data.has_validation else None
-                )
+                if self.data.has_validation:
+                    val, test = self._evaluate_all(("val", "test"))
+                    self._record_validation(test[0], val)
+                else:
+                    self._record_validation(self._evaluate_all(("test",))[0][0], None)
 
     def _validation_enabled(self) -> bool:
         return bool(self.data.val_dataloader()) and self.trainer.limit_val_batches != 0
