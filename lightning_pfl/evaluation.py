@@ -131,24 +131,24 @@ class Evaluation(LightningModule):
         # The round's test evaluation runs here too, on the same personalized models; without
         # a validation split the loop is only what schedules it.
         clients = self.training_clients_of(batch)
-        if not self.data.has_validation:
-            self.round_test_metric.update(clients, *self.evaluate(clients, "test"))
-            return
-        val, test = self.evaluate_splits(clients, ("val", "test"))
-        self.val_metric.update(clients, *val)
+        *val, test = self.evaluate_splits(clients, self._round_splits())
         self.round_test_metric.update(clients, *test)
+        if val:
+            self.val_metric.update(clients, *val[0])
 
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
         clients = self.training_clients_of(batch)
         self.test_metric.update(clients, *self.evaluate(clients, "test"))
 
+    def _round_splits(self) -> tuple[Split, ...]:
+        """The splits an evaluated round measures: validation (if the data has one), then test."""
+        return ("val", "test") if self.data.has_validation else ("test",)
+
     def _evaluate_all(self, splits: Sequence[Split]) -> list[tuple[dict[str, float], Tensor]]:
         """Statistics and per-client accuracies of every training client on each of
         ``splits`` (all ranks call)."""
-        metrics = [
-            ClientAccuracy(self.hp.num_clients, self.client_groups()).to(self.device)
-            for _ in splits
-        ]
+        groups = self.client_groups()
+        metrics = [ClientAccuracy(self.hp.num_clients, groups).to(self.device) for _ in splits]
         for chunk in self.data.client_chunks():
             chunk = self.training_clients_of(chunk.to(self.device))
             for metric, result in zip(metrics, self.evaluate_splits(chunk, splits), strict=True):
@@ -192,9 +192,7 @@ class Evaluation(LightningModule):
         self.log("val/best_acc", self.record.best["val"][key], logger=False, sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
-        stats = {k: float(v) for k, v in self.test_metric.compute().items()}
-        per_client = self.test_metric.per_client()
-        self.test_metric.reset()
+        stats, per_client = take(self.test_metric)
         logged = self.record.add_test(self.current_round, stats)
         for name, value in logged.items():
             self.log(name, value, logger=False, sync_dist=True)

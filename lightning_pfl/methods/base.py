@@ -349,11 +349,8 @@ class FederatedMethod(
                     self.logger, hparams_table(type(self).__name__, self.hparams, self.data)
                 )
             if self._validation_enabled():
-                if self.data.has_validation:
-                    val, test = self._evaluate_all(("val", "test"))
-                    self._record_validation(test[0], val)
-                else:
-                    self._record_validation(self._evaluate_all(("test",))[0][0], None)
+                *val, test = self._evaluate_all(self._round_splits())
+                self._record_validation(test[0], val[0] if val else None)
 
     def _validation_enabled(self) -> bool:
         return bool(self.data.val_dataloader()) and self.trainer.limit_val_batches != 0
