@@ -570,7 +570,8 @@ def test_accuracy_resume_needs_the_log_dir(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_issue46_rows_runs_only_the_methods_whose_split_lacks_a_seed(tmp_path: Path) -> None:
     """The script reads the committed rows from its working directory: a method is run when a
-    seed it needs has no row of that split (rows of another split do not count)."""
+    seed it needs has no row of that split (rows of another split do not count); FedAMP's
+    Dirichlet rows train in a call of their own, with the 100-client alpha and lambda."""
     script = Path(__file__).parents[1] / "benchmarks" / "issue46_rows.sh"
     calls = tmp_path / "calls.txt"
     stub = tmp_path / "python"  # runs the script's own Python, records the benchmark commands
@@ -596,18 +597,34 @@ def test_issue46_rows_runs_only_the_methods_whose_split_lacks_a_seed(tmp_path: P
         rows = [{"split": split, "seed": seed} for seed in seeds]
         (folder / f"{method}.json").write_text(json.dumps({"rows": rows}))
 
-    pathological, dirichlet = run()  # sorted: "--setting fashion_mnist" first
-    every = methods(dirichlet)
-    assert methods(pathological) == every and len(every) == 22
+    def by_kind(commands: list[list[str]]) -> tuple[list[str], list[str], list[list[str]]]:
+        """The pathological call, the Dirichlet call and FedAMP's own Dirichlet calls."""
+        setting = {c[c.index("--setting") + 1] for c in commands}
+        assert setting <= {"fashion_mnist", "fashion_mnist_dirichlet"}
+        fedamp = [c for c in commands if methods(c) == ["fedamp"]]
+        rest = [c for c in commands if c not in fedamp]
+        (pathological,) = [c for c in rest if c[c.index("--setting") + 1] == "fashion_mnist"]
+        (dirichlet,) = [c for c in rest if c is not pathological]
+        return pathological, dirichlet, fedamp
+
+    pathological, dirichlet, fedamp = by_kind(run())
+    every = methods(pathological)
+    assert methods(dirichlet) == [m for m in every if m != "fedamp"] and len(every) == 22
     assert "--resume" not in dirichlet
+    # FedAMP's config is refused at 100 clients: its Dirichlet rows run with alpha = lam = 0.495
+    (fedamp_call,) = fedamp
+    assert fedamp_call[-2:] == ["--model.init_args.alpha=0.495", "--model.init_args.lam=0.495"]
+    assert "--model.init_args.alpha=0.495" not in dirichlet
+    write("fashion_mnist_dirichlet", "fedamp", "dirichlet", [0, 1, 2])
     write("fashion_mnist_dirichlet", "scaffold", "dirichlet", [0, 1, 2])
     write("fashion_mnist_dirichlet", "fedadam", "dirichlet", [0, 1])
     for method in every:
         write("fashion_mnist", method, "pathological", [0, 1, 2])
     write("fashion_mnist", "fedbabu", "pathological", [0])
     write("fashion_mnist", "fedlc", "dirichlet", [1, 2])
-    pathological, dirichlet = run(resume="1")
-    assert methods(dirichlet) == [m for m in every if m != "scaffold"]
+    pathological, dirichlet, fedamp = by_kind(run(resume="1"))
+    assert fedamp == []
+    assert methods(dirichlet) == [m for m in every if m not in ("scaffold", "fedamp")]
     assert methods(pathological) == ["fedbabu", "fedlc"]
     assert pathological[
         pathological.index("--seeds") + 1 : pathological.index("--rounds-scale")
