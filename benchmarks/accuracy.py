@@ -72,7 +72,9 @@ Without ``--jobs``, several ``--seeds`` of a method and split are one job of the
 (``--runs.seeds``, :mod:`lightning_pfl.jobs`): the runs' local training is shared, each run
 keeps its own folder ``<log-dir>/<setting>-<split>-<method>/seed_<seed>`` and row, and a row's
 ``cli`` trains that run alone (the same result, up to float rounding on the vmap and threaded
-paths). ``--seeds-apart`` runs them one after another instead.
+paths). ``--seeds-apart`` runs them one after another instead. SIGINT or SIGTERM stops the
+run (or job) after its round with ``last.ckpt`` saved; the benchmark prints the run's paragraph
+and how to go on, and exits with 128 + the signal number, as the CLI does.
 
     python -m benchmarks.accuracy --setting digits --seeds 0 1 2
     python -m benchmarks.accuracy --setting digits --methods fedprox --seeds 0 1 2
@@ -86,6 +88,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import signal
 import subprocess
@@ -103,7 +106,9 @@ from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_pfl.cli import run
+from lightning_pfl.errors import RunInterrupted
 from lightning_pfl.experiment import checkpointed_versions
+from lightning_pfl.messages import report, user_error
 
 REPO = Path(__file__).resolve().parents[1]
 DIRICHLET = [
@@ -535,6 +540,30 @@ def main() -> None:
         for split, split_args in splits.items()
         if not args.splits or split in args.splits
     }
+    try:
+        run_configs(args, configs, chosen, base, log_dir, started)
+    except Exception as error:
+        found = user_error(error)
+        if found is None or os.environ.get("PFL_DEBUG") == "1":
+            raise
+        sys.stderr.write(report(found))
+        if isinstance(found, RunInterrupted):
+            sys.stderr.write(
+                "benchmark: rows are written per config once all its runs finish; continue "
+                f"with the same command and --resume --log-dir {log_dir}\n"
+            )
+        sys.exit(found.exit_code)
+
+
+def run_configs(
+    args: argparse.Namespace,
+    configs: list[Path],
+    chosen: dict[str, list[str]],
+    base: list[str],
+    log_dir: Path,
+    started: dict[str, Any],
+) -> None:
+    """Train every config's runs and write its rows (``main`` after parsing)."""
     if args.jobs > 1:
         runs = [
             (config, seed, split) for config in configs for seed in args.seeds for split in chosen

@@ -549,6 +549,45 @@ def test_accuracy_jobs_pass_a_sigterm_on_to_the_runs_which_save_and_resume_to_fu
         assert [p.name for p in (logs / name).iterdir()] == ["version_0"]
 
 
+def test_a_sigterm_to_an_in_process_benchmark_ends_with_the_paragraph_and_status_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --jobs the runs train in the benchmark's own process: the run's RunInterrupted
+    reaches the benchmark, which prints the run's paragraph and how to go on (no traceback)
+    and exits as the CLI does, 128 + SIGTERM."""
+    from benchmarks import accuracy
+
+    logs = tmp_path / "logs"
+    argv = ["accuracy", "--setting", "digits", "--methods", "fedavg", "--splits", "dirichlet"]
+    argv += ["--rounds-scale", str(6 / 300), "--log-dir", str(logs)]
+    argv += ["--out-dir", str(tmp_path / "out"), "--extra", "--model.init_args.local_steps=2"]
+    argv += ["--trainer.callbacks+=tests.holding.HoldForSignal", *NO_FIGURES]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.chdir(accuracy.REPO)
+    monkeypatch.delenv("PFL_DEBUG", raising=False)
+
+    def terminate_once_held() -> None:
+        deadline = time.monotonic() + 240
+        while "holding at round 3" not in capsys.readouterr().err:
+            if time.monotonic() > deadline:
+                return  # unsignalled, the benchmark ends by itself: pytest.raises fails
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watcher = threading.Thread(target=terminate_once_held, daemon=True)
+    watcher.start()
+    with pytest.raises(SystemExit) as stopped:
+        accuracy.main()
+    watcher.join()
+    assert stopped.value.code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "lightning-pfl: error: SIGTERM received: stopped after round 4 " in err
+    assert f"continue with the same command and --resume --log-dir {logs}" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out" / "digits" / "fedavg.json").exists()
+    assert checkpointed_versions(logs / accuracy.run_name("digits", "dirichlet", "fedavg", 0))
+
+
 def test_accuracy_jobs_must_be_at_least_one(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
