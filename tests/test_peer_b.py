@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_pfl.engine import ParamGroup, SGDConfig, train_clients
+from lightning_pfl.engine import ParamGroup, SGDConfig, TrainResult, train_clients
 from lightning_pfl.errors import ConfigError
+from lightning_pfl.execution import Executor, TrainJob
 from lightning_pfl.methods import FederatedMethod
 from lightning_pfl.methods.apple import APPLE, regularization_weight
 from lightning_pfl.methods.fedala import FedALA
@@ -224,11 +225,51 @@ def test_fedala_first_ala_trains_until_the_epoch_losses_settle(
     # the window of 10 epoch losses is full after 11 epochs; a huge threshold stops there, and
     # with every client converged the idle epochs left are not run
     assert len(calls) == epochs
-    taken = torch.stack([c.steps for c in calls])  # [epoch, client]
-    per_epoch = int(taken[0, 0])
+    # the first epoch trains both clients, the later ones client 1 alone (client 3 is done)
+    assert calls[0].steps.tolist()[1] > 0
+    per_epoch = calls[0].steps.tolist()[0]
     assert per_epoch > 0
-    assert taken[:, 0].tolist() == [per_epoch] * epochs
-    assert taken[1:, 1].sum() == 0 and taken[0, 1] > 0
+    assert [c.steps.tolist() for c in calls[1:]] == [[per_epoch]] * (epochs - 1)
+
+
+class MarkedRecorded(Executor):
+    """A CPU executor that says it records rounds (``graphs`` set) and trains eagerly."""
+
+    def __init__(self, own: Executor) -> None:
+        super().__init__(own.settings, own.data, own.device, None, own.world)
+        self.own, self.graphs = own, object()  # type: ignore[assignment]
+
+    def train(self, job: TrainJob) -> TrainResult:
+        return self.own.train(job)
+
+
+def test_fedala_epochs_of_the_clients_still_learning_equal_masked_epochs_of_all() -> None:
+    """Without recorded rounds the epochs after the first train only the clients whose first
+    ALA goes on; with them (fixed shapes) every client's steps are masked: the same weights."""
+    outcomes, rows_per_epoch = [], []
+    for recorded in (False, True):
+        method = build_fedala(convergence_threshold=0.1, ala_max_epochs=30, batch_size=16)
+        if recorded:
+            method.executor = MarkedRecorded(method.executor)
+        calls = capture_local_training(method)
+        clients = torch.tensor([0, 1, 2, 3])
+        received = {n: t.expand(4, *t.shape).clone() for n, t in method.global_state().items()}
+        g = torch.Generator().manual_seed(1)
+        local = {n: t + 0.2 * torch.randn(t.shape, generator=g) for n, t in received.items()}
+        first = torch.tensor([True, False, True, False])
+        outcomes.append(method.adaptive_local_aggregation(0, clients, received, local, first))
+        rows_per_epoch.append([len(c.steps) for c in calls])
+    (compact_start, compact), (masked_start, masked) = outcomes
+    rows, masked_rows = rows_per_epoch
+    assert masked_rows == [4] * len(rows)  # as many epochs, every client in each
+    # epoch 0: all; then clients 0 and 2; after a window's sync only the one still learning
+    assert rows[0] == 4 and rows[1] == 2 and rows[-1] == 1
+    assert rows[1:] == sorted(rows[1:], reverse=True)
+    for name in masked_start:
+        torch.testing.assert_close(compact_start[name], masked_start[name], msg=name)
+    for name in ("ala.fc2.weight", "ala.fc2.bias"):
+        torch.testing.assert_close(compact[name], masked[name], msg=name)
+    assert (compact["ala.fc2.weight"] != 1).any()
 
 
 def test_fedala_round_starts_new_clients_from_the_global_model_and_mixes_later() -> None:

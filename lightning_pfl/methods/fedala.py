@@ -48,9 +48,11 @@ class FedALA(FedAvg):
 
     All clients of a round learn their weights together: clients that converged, and clients
     past their first ALA after one epoch, idle (masked steps); the server knows from its record
-    of participations which clients need an ALA and how many epochs the round may take. Once
-    every client has converged the epochs left would only idle: one host synchronization per
-    ``convergence_window`` epochs stops them (the same weights, far fewer steps).
+    of participations which clients need an ALA and how many epochs the round may take. One
+    host synchronization per ``convergence_window`` epochs stops the epochs once every client
+    has converged, and, unless rounds are recorded as CUDA graphs (fixed shapes), the epochs
+    after the first train only the clients still in their first ALA (at that synchronization)
+    instead of masking the others: the same weights, far fewer steps.
 
     Args:
         eta: learning rate eta of the ALA weights (paper: 1.0).
@@ -134,33 +136,58 @@ class FedALA(FedAvg):
         context |= {LOCAL + n: local[n] for n in self.top}
         batches = self.ala_batches(clients, round_idx)
         group = [ParamGroup(tuple(weights), SGDConfig(h.eta))]
+
+        def epoch_of(weights: Params, rows: Tensor | None, active: Tensor) -> tuple[Params, Tensor]:
+            """One epoch of the weights of clients ``rows`` (None: all); the others' steps
+            idle, and their weights and epoch losses (0) are what a masked epoch gives them."""
+            if rows is None:
+                result = self.local_train(
+                    weights,
+                    clients,
+                    round_idx,
+                    groups=group,
+                    loss_fn=self.weight_loss,
+                    context=context,
+                    batches=ClientBatches(batches.index, batches.weight, active),
+                )
+                return result.params, result.loss
+            result = self.local_train(
+                {n: t[rows] for n, t in weights.items()},
+                clients[rows.to(clients.device)],
+                round_idx,
+                groups=group,
+                loss_fn=self.weight_loss,
+                context={n: t[rows] for n, t in context.items()},
+                batches=ClientBatches(batches.index[rows], batches.weight[rows], active[rows]),
+            )
+            trained = {n: t.index_copy(0, rows, result.params[n]) for n, t in weights.items()}
+            return trained, result.loss.new_zeros(len(clients)).index_copy(0, rows, result.loss)
+
+        # Without recorded rounds (whose shapes are fixed) the epochs after the first train
+        # only the clients still learning instead of masking the others' steps, which vmap
+        # would compute in full: the same weights for a fraction of the work.
+        compact = self.executor.graphs is None
+        rows = first.nonzero().flatten().to(self.device) if compact else None
         running = first.to(self.device)
         losses: list[Tensor] = []
         for epoch in range(h.ala_max_epochs if bool(first.any()) else 1):
             if epoch:
-                active = batches.active & running.view(-1, 1)
-                epoch_batches = ClientBatches(batches.index, batches.weight, active)
+                weights, loss = epoch_of(weights, rows, batches.active & running.view(-1, 1))
             else:
-                epoch_batches = batches
-            result = self.local_train(
-                weights,
-                clients,
-                round_idx,
-                groups=group,
-                loss_fn=self.weight_loss,
-                context=context,
-                batches=epoch_batches,
-            )
-            weights = result.params
-            losses.append(result.loss)
+                weights, loss = epoch_of(weights, None, batches.active)
+            losses.append(loss)
             if len(losses) > h.convergence_window:
                 recent = torch.stack(losses[-h.convergence_window :], 1)
                 done = recent.std(1, unbiased=False) < h.convergence_threshold
                 running = running & ~done
                 # once every client has converged the remaining epochs are idle (masked)
                 # steps that change nothing: one host sync per window stops them
-                if epoch % h.convergence_window == 0 and not bool(running.any()):
-                    break
+                if epoch % h.convergence_window == 0:
+                    still = running.cpu()
+                    if not bool(still.any()):
+                        break
+                    if compact:
+                        rows = still.nonzero().flatten().to(self.device)
         weights = {n: t.clamp(0.0, 1.0) for n, t in weights.items()}
         with torch.no_grad():
             return self.mixed(weights, context), weights
