@@ -140,26 +140,21 @@ class FedALA(FedAvg):
         def epoch_of(weights: Params, rows: Tensor | None, active: Tensor) -> tuple[Params, Tensor]:
             """One epoch of the weights of clients ``rows`` (None: all); the others' steps
             idle, and their weights and epoch losses (0) are what a masked epoch gives them."""
-            if rows is None:
-                result = self.local_train(
-                    weights,
-                    clients,
-                    round_idx,
-                    groups=group,
-                    loss_fn=self.weight_loss,
-                    context=context,
-                    batches=ClientBatches(batches.index, batches.weight, active),
-                )
-                return result.params, result.loss
+
+            def take(t: Tensor) -> Tensor:
+                return t if rows is None else t[rows]
+
             result = self.local_train(
-                {n: t[rows] for n, t in weights.items()},
-                clients[rows.to(clients.device)],
+                {n: take(t) for n, t in weights.items()},
+                clients if rows is None else clients[rows.to(clients.device)],
                 round_idx,
                 groups=group,
                 loss_fn=self.weight_loss,
-                context={n: t[rows] for n, t in context.items()},
-                batches=ClientBatches(batches.index[rows], batches.weight[rows], active[rows]),
+                context={n: take(t) for n, t in context.items()},
+                batches=ClientBatches(take(batches.index), take(batches.weight), take(active)),
             )
+            if rows is None:
+                return result.params, result.loss
             trained = {n: t.index_copy(0, rows, result.params[n]) for n, t in weights.items()}
             return trained, result.loss.new_zeros(len(clients)).index_copy(0, rows, result.loss)
 
